@@ -1,0 +1,32 @@
+"""The K/V pool, sized from a memory budget and bound to the model's attention layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from liteinfer.layers import PagedAttention
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # Zeroed, not empty: attention multiplies masked-out (probability 0) slots by their values, and 0 * NaN
+        # from uninitialised memory would poison the output.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    def bind(self, model: nn.Module) -> None:
+        """Point each attention layer, in model order, at its own slice of the pool."""
+        layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+        if len(layers) != self.k.shape[0]:
+            raise ValueError(f"model has {len(layers)} attention layers, the cache was sized for {self.k.shape[0]}")
+        for i, attn in enumerate(layers):
+            attn.k_cache, attn.v_cache = self.k[i], self.v[i]

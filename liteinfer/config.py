@@ -1,0 +1,81 @@
+"""Engine configuration: every knob `LLM(model, **fields)` accepts, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None = max(8192, max_model_len)
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None = sized from the memory budget below
+    gpu_memory_utilization: float = 0.9  # share of GPU memory the weights + KV cache may take
+    kv_cache_memory_bytes: int = 2 << 30  # CPU: bytes given to the KV cache
+    scheduler: Literal["continuous", "static"] = "continuous"
+    # Eager PyTorch is the only forward path so far; torch.compile and CUDA graphs (enforce_eager=False) are
+    # queued in docs/roadmap.md and refused until they exist.
+    enforce_eager: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def require(ok: bool, field: str, why: str) -> None:
+            if not ok:
+                raise ValueError(f"{field} {why}, got {getattr(self, field)!r}")
+
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", "int | None") and value is not None:
+                require(isinstance(value, int) and not isinstance(value, bool), f.name, "must be an integer")
+        require(isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string")
+        require(self.dtype in ("auto", *_DTYPES), "dtype", f"must be one of auto, {', '.join(_DTYPES)}")
+        require(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
+        require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
+        require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        require(
+            self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            "must be >= 1",
+        )
+        require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
+                "must be a power of two")
+        require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
+        require(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1,
+                "gpu_memory_utilization", "must be in (0, 1]")
+        require(self.kv_cache_memory_bytes >= 1, "kv_cache_memory_bytes", "must be >= 1")
+        require(self.scheduler in ("continuous", "static"), "scheduler", "must be continuous or static")
+        require(self.enforce_eager is True, "enforce_eager",
+                "must be True: torch.compile / CUDA graphs are not implemented yet")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None, **kwargs) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; valid options: {sorted(known)}")
+        return cls(model=model or DEFAULT_MODEL, **kwargs)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but no CUDA device is available")
+        return torch.device(self.device)
+
+    def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """auto = the checkpoint's own float dtype, float32 when it declares none (GGUF, old configs)."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        return checkpoint_dtype if checkpoint_dtype in _DTYPES.values() else torch.float32

@@ -1,0 +1,13 @@
+"""The engine core: requests in, tokens out, one forward pass per step.
+
+Contract: `LLMEngine` owns every running request. `add_request` validates and queues (raising `ValueError` before
+anything is queued), `step` asks the `Scheduler` for a batch, has the `ModelRunner` run the model and sample, and
+hands back a `RequestOutput` for every request that advanced; `abort_request` ends a request and frees its blocks
+at once. When KV blocks run out the scheduler preempts and recomputes rather than failing, and a failure inside one
+request ends that request alone. The engine never blocks on I/O and holds no threads: sync and async front ends
+drive the same `step`.
+"""
+
+from liteinfer.engine.llm_engine import LLMEngine
+
+__all__ = ["LLMEngine"]

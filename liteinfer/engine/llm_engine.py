@@ -1,0 +1,260 @@
+"""The engine loop: requests in, one scheduled forward pass per `step`, outputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from liteinfer.cache import BlockManager, KVCache
+from liteinfer.config import EngineConfig
+from liteinfer.engine.detokenizer import IncrementalDetokenizer
+from liteinfer.engine.model_runner import ModelRunner
+from liteinfer.engine.scheduler import Scheduler, StaticScheduler
+from liteinfer.engine.sequence import Request, Sequence
+from liteinfer.models import get_model_class
+from liteinfer.models.loader import build_model, iter_checkpoint
+from liteinfer.models.source import load_config, load_tokenizer, resolve_model
+from liteinfer.outputs import RequestMetrics, RequestOutput
+from liteinfer.sampling import Sampler, SamplerOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# A prompt given as text or, as vLLM accepts it, as {"prompt_token_ids": [...]}.
+PromptType = str | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.manual_seed(config.seed)
+        source = resolve_model(config.model)
+        self.hf_config = load_config(source)
+        self.tokenizer = load_tokenizer(source)
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(getattr(self.hf_config, "dtype", None))
+        self.max_model_len = self._resolve_max_model_len()
+        max_num_batched_tokens = config.max_num_batched_tokens or max(8192, self.max_model_len)
+        if max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) so that the longest prompt fits in one step"
+            )
+
+        model_cls = get_model_class(self.hf_config.architectures)
+        model = build_model(model_cls, self.hf_config, self.dtype, self.device, iter_checkpoint(source, self.hf_config))
+        self.kv_cache = self._allocate_kv_cache()
+        self.kv_cache.bind(model)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size)
+        scheduler_cls = StaticScheduler if config.scheduler == "static" else Scheduler
+        self.scheduler = scheduler_cls(self.block_manager, config.max_num_seqs, max_num_batched_tokens)
+        self.eos_token_ids = self._eos_token_ids()
+        self.runner = ModelRunner(model, Sampler(self.eos_token_ids), config.block_size, self.device)
+        self.requests: dict[str, Request] = {}
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.hf_config.max_position_embeddings
+        if self.config.max_model_len is None:
+            return limit
+        if self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len ({self.config.max_model_len}) exceeds the model's limit ({limit})")
+        return self.config.max_model_len
+
+    def _allocate_kv_cache(self) -> KVCache:
+        cfg, hf = self.config, self.hf_config
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        shape = (hf.num_hidden_layers, cfg.block_size, hf.num_key_value_heads, head_dim)
+        block_bytes = KVCache.bytes_per_block(*shape, self.dtype)
+        blocks_per_seq = -(-self.max_model_len // cfg.block_size)
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        else:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                budget = int(total * cfg.gpu_memory_utilization) - (total - free)
+            else:
+                budget = cfg.kv_cache_memory_bytes
+            # Never more than every sequence at full length could use.
+            num_blocks = min(budget // block_bytes, cfg.max_num_seqs * blocks_per_seq)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {cfg.block_size} tokens, fewer than one sequence of "
+                f"max_model_len={self.max_model_len} needs ({blocks_per_seq}); lower max_model_len or give the "
+                "cache more memory (kv_cache_memory_bytes / gpu_memory_utilization / num_kv_blocks)"
+            )
+        return KVCache(hf.num_hidden_layers, num_blocks, cfg.block_size, hf.num_key_value_heads, head_dim,
+                       self.dtype, self.device)
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = {self.tokenizer.eos_token_id}
+        configured = getattr(self.hf_config, "eos_token_id", None)
+        ids.update(configured if isinstance(configured, list) else [configured])
+        return {i for i in ids if i is not None}
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Requests
+
+    def validate_request(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt, checked with its params; raises ValueError before anything is queued."""
+        vocab = self.hf_config.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must lie in [0, {vocab}), got {params.stop_token_ids}")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, token_ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            vocab = self.hf_config.vocab_size
+            # A bool is an int, but True as a token id is a caller bug (SamplingParams rejects it too).
+            if not isinstance(token_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids
+            ):
+                raise ValueError(f"prompt_token_ids must be a list of integers in [0, {vocab})")
+            token_ids = list(token_ids)
+        else:
+            raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
+                "it must be shorter to leave room for at least one generated token"
+            )
+        return text, token_ids
+
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        text, token_ids = self.validate_request(prompt, params)
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        seqs = [
+            Sequence(
+                request_id=request_id,
+                index=index,
+                token_ids=list(token_ids),
+                num_prompt_tokens=len(token_ids),
+                params=params,
+                max_tokens=max_tokens,
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, token_ids, params.skip_special_tokens, params.stop,
+                    params.include_stop_str_in_output, params.min_tokens,
+                ),
+                generator=self._generator(params.seed, index),
+            )
+            for index in range(params.n)
+        ]
+        metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        request = Request(request_id, text, token_ids, params, seqs, metrics, unforked=seqs[1:])
+        self.requests[request_id] = request
+        self.scheduler.add(seqs[0])
+
+    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
+        if seed is None:
+            return None
+        # Each sample of a seeded request gets its own stream, so samples differ yet every run repeats.
+        return torch.Generator(self.device).manual_seed(hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (None if it is unknown)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+        request.unforked.clear()
+        request.metrics.finished_time = time.monotonic()
+        return request.to_output()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # The loop
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return the outputs of every request that got a new token."""
+        batch = self.scheduler.schedule()
+        for seq in batch.preempted:
+            self.requests[seq.request_id].metrics.num_preemptions += 1
+        if not batch.seqs:
+            return []
+        now = time.monotonic()
+        for seq in batch.seqs:
+            metrics = self.requests[seq.request_id].metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+        sampled, sampler_output = self.runner.execute(batch)
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new
+
+        updated: dict[str, Request] = {}
+        for row, i in enumerate(sampled):
+            seq = batch.seqs[i]
+            request = self.requests.get(seq.request_id)
+            if request is None:  # failed earlier in this loop and was aborted
+                continue
+            try:
+                self._append_token(request, seq, sampler_output, row)
+            except Exception as exc:  # one request's failure must not take the others down
+                logger.exception("request %s failed", request.request_id)
+                request.error = f"{type(exc).__name__}: {exc}"
+                self.abort_request(request.request_id)
+            updated[request.request_id] = request
+        outputs = []
+        for request in updated.values():
+            if request.is_finished:
+                request.metrics.finished_time = request.metrics.finished_time or time.monotonic()
+                self.requests.pop(request.request_id, None)
+            outputs.append(request.to_output())
+        return outputs
+
+    def _append_token(self, request: Request, seq: Sequence, out: SamplerOutput, row: int) -> None:
+        token = out.token_ids[row]
+        seq.token_ids.append(token)
+        request.metrics.first_token_time = request.metrics.first_token_time or time.monotonic()
+        if seq.params.logprobs is not None:
+            seq.cumulative_logprob += out.logprobs[row]
+            decode = self.tokenizer.decode
+            seq.logprobs.append({t: replace(lp, decoded_token=decode([t])) for t, lp in out.top_logprobs[row].items()})
+        if seq.index == 0 and request.unforked:
+            self._fork(request, seq)
+
+        params = seq.params
+        if token in self.eos_token_ids and not params.ignore_eos:
+            self._finish(seq, "stop", None)
+            return
+        if token in params.stop_token_ids:
+            # As in vLLM, the stop token stays in token_ids but its text only with include_stop_str_in_output.
+            if params.include_stop_str_in_output:
+                seq.detokenizer.step([token])
+            self._finish(seq, "stop", token)
+            return
+        seq.detokenizer.step([token])
+        if seq.detokenizer.stop_reason is not None:
+            self._finish(seq, "stop", seq.detokenizer.stop_reason)
+        elif seq.num_output_tokens >= seq.max_tokens:
+            self._finish(seq, "length", None)
+
+    def _fork(self, request: Request, parent: Sequence) -> None:
+        """Start samples 1..n-1 from the blocks that hold the parent's prompt (all but a partial last block,
+        and never the block of the last prompt token, whose logits each sample computes for itself)."""
+        shared_blocks = (parent.num_prompt_tokens - 1) // self.config.block_size
+        for child in reversed(request.unforked):
+            child.block_table = self.block_manager.share(parent.block_table[:shared_blocks])
+            child.num_computed_tokens = shared_blocks * self.config.block_size
+            self.scheduler.add(child, front=True)
+        request.unforked.clear()
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None) -> None:
+        if not isinstance(stop_reason, str):  # text held back as a possible stop-string start is released
+            seq.detokenizer.flush()
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)

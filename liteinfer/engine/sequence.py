@@ -1,0 +1,105 @@
+"""Per-request state: a `Request` holds the prompt and its `n` sampled `Sequence`s."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from liteinfer.engine.detokenizer import IncrementalDetokenizer
+from liteinfer.outputs import CompletionOutput, FinishReason, PositionLogprobs, RequestMetrics, RequestOutput
+from liteinfer.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample being generated.
+
+    `token_ids` is prompt + output so far; `num_computed_tokens` of them have their K/V in the cache (in the blocks
+    of `block_table`). A step computes the next tokens from there and, once it reaches the end, samples one more.
+    After preemption `num_computed_tokens` drops to 0 and the whole sequence is recomputed.
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_tokens: int
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def to_output(self) -> CompletionOutput:
+        wants_logprobs = self.params.logprobs is not None
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.text,
+            token_ids=self.output_token_ids,
+            cumulative_logprob=self.cumulative_logprob if wants_logprobs else None,
+            logprobs=list(self.logprobs) if wants_logprobs else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]  # all n samples, in index order
+    metrics: RequestMetrics
+    # Samples 1..n-1 are held here until sample 0 has computed the prompt, then start from its cached blocks.
+    unforked: list[Sequence] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[seq.to_output() for seq in self.seqs],
+            finished=self.is_finished,
+            metrics=self.metrics,
+            error=self.error,
+        )

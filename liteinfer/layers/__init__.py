@@ -1,0 +1,30 @@
+"""Reusable building blocks that model files compose.
+
+Contract: every layer here is a plain `nn.Module` that works on *packed* token batches — hidden states are
+`[num_tokens, hidden]` for all sequences of a step laid end to end, never `[batch, seq, hidden]`. Parameters are
+allocated with `torch.empty` (the loader fills them), and a layer whose parameter packs several checkpoint tensors
+(fused qkv, gate/up) carries a `weight_loader` on that parameter saying where each shard goes. Attention reads and
+writes K/V only through the paged cache it is bound to and the step's `AttentionMetadata`; layers hold no
+per-request state.
+"""
+
+from liteinfer.layers.activation import SiluAndMul
+from liteinfer.layers.attention import AttentionMetadata, PagedAttention
+from liteinfer.layers.embedding import LMHead, VocabEmbedding
+from liteinfer.layers.linear import Linear, PackedLinear
+from liteinfer.layers.norm import RMSNorm
+from liteinfer.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+__all__ = [
+    "AttentionMetadata",
+    "LMHead",
+    "Linear",
+    "PackedLinear",
+    "PagedAttention",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SiluAndMul",
+    "VocabEmbedding",
+    "apply_rotary",
+    "rope_parameters",
+]

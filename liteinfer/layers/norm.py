@@ -1,0 +1,29 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in fp32, then back to the activation dtype before the weight, as the reference models do
+        # (the order matters for bit-level agreement in bf16).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual

@@ -1,0 +1,34 @@
+"""Model implementations and how to find and load them.
+
+Contract: a model class is registered here under the Hugging Face `architectures` name it implements. It takes a
+transformers config, allocates its parameters empty (the loader streams the checkpoint in), and exposes
+`forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, H]` over a packed batch and
+`compute_logits(hidden [N, H]) -> [N, vocab]`, so the runner pays for the LM head only where it samples. Models
+own no KV cache and no request state. `transformers` supplies configs and tokenizers here, never modelling code.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from liteinfer.models.llama import LlamaForCausalLM
+
+_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
+    for arch in architectures or []:
+        if arch in _REGISTRY:
+            return _REGISTRY[arch]
+    raise ValueError(
+        f"unsupported model architecture {architectures}; supported: {', '.join(supported_architectures())}"
+    )
+
+
+__all__ = ["get_model_class", "supported_architectures"]

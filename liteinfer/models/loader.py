@@ -1,0 +1,226 @@
+"""Reading checkpoints and streaming their tensors into a model's already-allocated parameters.
+
+A checkpoint is an iterator of (Hugging Face tensor name, tensor), produced one tensor at a time, so loading
+holds at most the model plus one tensor in memory, whether it comes from safetensors or a dequantized GGUF.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import gguf
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from transformers import PretrainedConfig
+
+if TYPE_CHECKING:
+    from liteinfer.models.source import ModelSource
+
+INDEX_FILE = "model.safetensors.index.json"
+# Derived state that some older checkpoints saved; our layers compute it.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# GGUF architectures whose q/k rows llama.cpp's converter permutes for its interleaved rope (Mistral is
+# stored as "llama" too); other architectures keep the Hugging Face row order.
+_ROPE_PERMUTED_ARCHS = {"llama"}
+
+Checkpoint = Iterable[tuple[str, torch.Tensor]]
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The checkpoint files of a model directory: the shards its index names, or else every *.safetensors."""
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory}: no config.json, so this is not a model directory")
+    index = directory / INDEX_FILE
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [name for name in shards if not (directory / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{directory}: shards listed in {INDEX_FILE} are missing: {missing}")
+        return [directory / name for name in shards]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory}: no *.safetensors weights (the only checkpoint format read)")
+    return files
+
+
+def iter_checkpoint(source: ModelSource, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, tensor) one at a time; GGUF tensors come dequantized to float32."""
+    if source.gguf_file is not None:
+        return _iter_gguf(source.path / source.gguf_file, config)
+    return _iter_safetensors(safetensors_files(source.path))
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        try:
+            # safe_open memory-maps the file: a tensor is read only when asked for.
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
+
+
+def _iter_gguf(file: Path, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    reader = gguf.GGUFReader(file)
+    arch = reader.fields["general.architecture"].contents()
+    hf_names = _gguf_to_hf_names(arch, config)
+    for tensor in reader.tensors:
+        name = hf_names.get(tensor.name)
+        if name is None:
+            raise ValueError(f"{file}: GGUF tensor {tensor.name} has no Hugging Face name for {arch!r}")
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        # F32 tensors come back as read-only views of the memory-mapped file; torch wants writable memory.
+        weights = torch.from_numpy(weights if weights.flags.writeable else weights.copy())
+        if arch in _ROPE_PERMUTED_ARCHS and (".q_proj." in name or ".k_proj." in name):
+            heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            weights = _undo_rope_permutation(weights, heads)
+        yield name, weights
+
+
+def _gguf_to_hf_names(arch: str, config: PretrainedConfig) -> dict[str, str]:
+    """GGUF tensor name -> Hugging Face name, by inverting gguf's own HF -> GGUF table.
+
+    gguf's table knows many historical spellings of each tensor; our model's own parameter names (with packed
+    projections unpacked into their checkpoint names) say which spelling is the Hugging Face one.
+    """
+    model_arch = next((key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch), None)
+    if model_arch is None:
+        raise ValueError(f"GGUF architecture {arch!r} is unknown to the gguf package")
+    table = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
+    names = {}
+    for hf_name in _checkpoint_names(config):
+        gguf_name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is not None:
+            names[gguf_name] = hf_name
+    return names
+
+
+def _checkpoint_names(config: PretrainedConfig) -> list[str]:
+    """The checkpoint tensor names our model for `config` loads, from a skeleton on the meta device (no memory)."""
+    from liteinfer.models import get_model_class  # the registry imports the model files, which import layers
+
+    model_cls = get_model_class(config.architectures)
+    with torch.device("meta"):
+        skeleton = model_cls(config)
+    unpacked: dict[str, list[str]] = {}  # packed parameter -> the checkpoint tensors it holds
+    for checkpoint_name, (target, _) in getattr(model_cls, "packed_modules_mapping", {}).items():
+        unpacked.setdefault(target, []).append(checkpoint_name)
+    names = []
+    for name in skeleton.state_dict():
+        parts = name.split(".")
+        i = next((i for i, part in enumerate(parts) if part in unpacked), None)
+        if i is None:
+            names.append(name)
+        else:
+            names += [".".join([*parts[:i], shard, *parts[i + 1 :]]) for shard in unpacked[parts[i]]]
+    return names
+
+
+def _undo_rope_permutation(weights: torch.Tensor, heads: int) -> torch.Tensor:
+    """Back from llama.cpp's interleaved rope layout to the Hugging Face "rotate half" one.
+
+    Within each head, HF keeps the rotated pairs as (first half, second half) of the rows; llama.cpp's
+    converter interleaves them as (row i of the first half, row i of the second half): it views each head's
+    rows as [2, half] and transposes to [half, 2]. Transposing back restores the original order.
+    """
+    shape = weights.shape
+    half = shape[0] // heads // 2
+    return weights.reshape(heads, half, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
+    """Copy every checkpoint tensor into its parameter, converting dtype and device on the way.
+
+    Packed parameters (see `packed_modules_mapping`) receive one shard per checkpoint tensor through the
+    parameter's `weight_loader`. Raises ValueError for tensors the model has no place for, shape mismatches
+    and parameters (or shards) the checkpoint never provided.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
+    # A tied head is the embedding's own Parameter: the embedding fills it, and a saved copy of the head is
+    # redundant (and may be stored first, since safetensors sorts names).
+    head, embedding = params.get("lm_head.weight"), params.get("model.embed_tokens.weight")
+    tied_head = head is not None and head is embedding
+    loaded: dict[int, set[str | int | None]] = {}  # id(param) -> shards loaded (None: the whole tensor)
+
+    for name, tensor in checkpoint:
+        if name.endswith(_IGNORED_SUFFIXES) or (tied_head and name == "lm_head.weight"):
+            continue
+        param_name, shard_id = _packed_target(name, packed)
+        param = params.get(param_name)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name} has no matching parameter in {type(model).__name__}")
+        weight_loader = getattr(param, "weight_loader", _copy_whole)
+        try:
+            if shard_id is None:
+                weight_loader(param, tensor)
+            else:
+                weight_loader(param, tensor, shard_id)
+        except ValueError as e:
+            where = name if param_name == name else f"{name} (into {param_name})"
+            raise ValueError(f"checkpoint tensor {where}: {e}") from e
+        loaded.setdefault(id(param), set()).add(shard_id)
+
+    missing = []
+    for name, param in model.named_parameters():
+        absent = _expected_shards(name, packed) - loaded.get(id(param), set())
+        if absent == {None}:
+            missing.append(name)
+        elif absent:
+            missing.append(f"{name} (shards {sorted(absent, key=str)})")
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors for parameters: {', '.join(missing)}")
+
+
+def _packed_target(name: str, packed: dict[str, tuple[str, str | int]]) -> tuple[str, str | int | None]:
+    """Checkpoint name -> (parameter name, shard id).
+
+    E.g. "model.layers.0.self_attn.k_proj.weight" -> ("model.layers.0.self_attn.qkv_proj.weight", "k").
+    """
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in packed:
+            parts[i], shard_id = packed[part]
+            return ".".join(parts), shard_id
+    return name, None
+
+
+def _expected_shards(param_name: str, packed: dict[str, tuple[str, str | int]]) -> set[str | int | None]:
+    modules = set(param_name.split("."))
+    shards = {shard_id for target, shard_id in packed.values() if target in modules}
+    return shards or {None}
+
+
+def _copy_whole(param: nn.Parameter, tensor: torch.Tensor) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+    param.data.copy_(tensor)
+
+
+def build_model(
+    model_cls: type[nn.Module],
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    checkpoint: Checkpoint,
+) -> nn.Module:
+    """Allocate the model directly on `device` in `dtype`, then stream the checkpoint into it.
+
+    Parameters are created empty where they will live, so there is never a second full copy of the weights
+    (no CPU staging copy, no float32 copy of a bfloat16 model).
+    """
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    load_weights(model, checkpoint)
+    return model

