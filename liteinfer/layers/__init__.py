@@ -9,7 +9,7 @@ per-request state.
 """
 
 from liteinfer.layers.activation import SiluAndMul
-from liteinfer.layers.attention import AttentionMetadata, PagedAttention
+from liteinfer.layers.attention import AttentionMetadata, PagedAttention, PrefillSpan
 from liteinfer.layers.embedding import LMHead, VocabEmbedding
 from liteinfer.layers.linear import Linear, PackedLinear
 from liteinfer.layers.norm import RMSNorm
@@ -21,6 +21,7 @@ __all__ = [
     "Linear",
     "PackedLinear",
     "PagedAttention",
+    "PrefillSpan",
     "RMSNorm",
     "RotaryEmbedding",
     "SiluAndMul",

@@ -1,9 +1,12 @@
 """Attention over the paged KV cache.
 
-One code path serves every kind of step: a sequence contributes `query_len` new tokens on top of `context_len`
-tokens whose K/V already sit in the cache (prefill: context 0; decode: query 1; chunked prefill and prefix-cache
-hits: both > 0). The new K/V are written into their slots first, then each sequence's keys are read through its
-block table and every query attends to the keys at positions up to its own.
+Every sequence in a step contributes `query_len` new tokens on top of `context_len` tokens whose K/V already sit
+in the cache (prefill: context 0; decode: query 1; chunked prefill and prefix-cache hits: both > 0). The new K/V
+are written into their slots first; then each query attends to its sequence's keys, read through the block table,
+at positions up to its own (and within the sliding window, for layers that have one).
+
+Single-token steps (decodes) are batched into one grouped matmul; each multi-token step (a prefill or a chunk of
+one) runs on its own, so a long prefill never pads the decodes that share its step.
 """
 
 from __future__ import annotations
@@ -15,51 +18,89 @@ from torch import nn
 
 
 @dataclass
+class PrefillSpan:
+    """A sequence computing several tokens this step."""
+
+    start: int  # its tokens' range [start, end) in the packed batch
+    end: int
+    block_table: torch.Tensor  # [blocks] the sequence's blocks
+
+
+@dataclass
 class AttentionMetadata:
-    """Per-step tensors shared by every attention layer (built once per step by the model runner)."""
+    """Per-step tensors shared by every attention layer (built once per step by the model runner).
+
+    The packed batch holds the decodes first (`num_decodes` tokens, one per sequence), then the prefill spans.
+    """
 
     slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of each new token
-    block_tables: torch.Tensor  # [B, max_blocks] block ids of each sequence, padded with block 0
-    # Queries are processed padded to [B, max_query_len]; `token_to_padded[t]` is packed token t's row there.
-    token_to_padded: torch.Tensor  # [T]
-    # Additive mask [B, 1, 1, max_query_len, max_blocks * block_size]: 0 where a query may see a key, -inf where
-    # the key lies after the query's position (this also hides padding and unused block-table slots).
-    attn_bias: torch.Tensor
-    max_query_len: int
+    positions: torch.Tensor  # [T] position of each new token in its sequence
+    num_decodes: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0 (masked out by position)
+    prefills: list[PrefillSpan]
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
         # Bound by the model runner to this layer's slice of the pool: [num_blocks, block_size, kv_heads, dim].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, heads * dim], k, v: [T, kv_heads * dim] -> [T, heads * dim]."""
-        num_tokens = q.shape[0]
+        num_tokens, dim = q.shape[0], self.head_dim
+        k_slots, v_slots = self.k_cache.flatten(0, 1), self.v_cache.flatten(0, 1)  # [slots, kv_heads, dim]
+        k_slots.index_copy_(0, meta.slot_mapping, k.view(num_tokens, self.num_kv_heads, dim))
+        v_slots.index_copy_(0, meta.slot_mapping, v.view(num_tokens, self.num_kv_heads, dim))
+        q = q.view(num_tokens, self.num_heads, dim)
+
+        outputs = []
+        decodes = meta.num_decodes
+        if decodes:
+            tables = meta.decode_block_tables
+            keys, values = self.k_cache[tables].flatten(1, 2), self.v_cache[tables].flatten(1, 2)
+            outputs.append(self._attend(q[:decodes].unsqueeze(1), keys, values, meta.positions[:decodes, None]))
+        for span in meta.prefills:
+            positions = meta.positions[span.start : span.end]
+            num_keys = int(positions[-1]) + 1
+            keys = self.k_cache[span.block_table].flatten(0, 1)[:num_keys]
+            values = self.v_cache[span.block_table].flatten(0, 1)[:num_keys]
+            outputs.append(self._attend(q[span.start : span.end][None], keys[None], values[None], positions[None]))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_positions: torch.Tensor
+    ) -> torch.Tensor:
+        """q: [B, Lq, heads, dim]; keys, values: [B, L, kv_heads, dim] (key j at position j); -> [B * Lq, heads*dim].
+
+        Query heads that share a KV head are stacked into one matrix, so each KV head is read once: GQA becomes
+        [B, kv_heads, group * Lq, dim] @ [B, kv_heads, dim, L]. Softmax runs in fp32.
+        """
+        batch, query_len = q.shape[:2]
         kv_heads, dim = self.num_kv_heads, self.head_dim
         group = self.num_heads // kv_heads
-        k_cache, v_cache = self.k_cache, self.v_cache
-        k_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, k.view(num_tokens, kv_heads, dim))
-        v_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, v.view(num_tokens, kv_heads, dim))
-
-        batch, query_len = meta.block_tables.shape[0], meta.max_query_len
-        q = q.view(num_tokens, self.num_heads, dim)
-        if query_len > 1:  # decode steps are already one row per sequence
-            q = q.new_zeros(batch * query_len, self.num_heads, dim).index_copy_(0, meta.token_to_padded, q)
-        # Query heads that share a KV head are stacked into one matrix, so each KV head is read once: GQA
-        # becomes [B, kv_heads, group * query_len, dim] @ [B, kv_heads, dim, keys].
-        q = q.view(batch, query_len, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
-        q = q.reshape(batch, kv_heads, group * query_len, dim)
-        keys = k_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, keys, dim]
-        values = v_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
-
-        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale
-        scores = scores.view(batch, kv_heads, group, query_len, -1) + meta.attn_bias
+        q = q.view(batch, query_len, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, -1, dim)
+        scores = torch.matmul(q, keys.permute(0, 2, 3, 1)).float() * self.scale
+        if self.logit_softcap is not None:
+            scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
+        key_positions = torch.arange(keys.shape[1], device=keys.device)
+        hidden = key_positions > query_positions[..., None]  # [B, Lq, L]: keys after the query
+        if self.sliding_window is not None:
+            hidden |= key_positions <= query_positions[..., None] - self.sliding_window
+        scores = scores.view(batch, kv_heads, group, query_len, -1).masked_fill_(hidden[:, None, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(values.dtype).view(batch, kv_heads, group * query_len, -1)
-        out = torch.matmul(probs, values).view(batch, kv_heads, group, query_len, dim)
-        out = out.permute(0, 3, 1, 2, 4).reshape(batch * query_len, self.num_heads * dim)
-        return out if query_len == 1 else out[meta.token_to_padded]
+        out = torch.matmul(probs, values.transpose(1, 2)).view(batch, kv_heads, group, query_len, dim)
+        return out.permute(0, 3, 1, 2, 4).reshape(batch * query_len, self.num_heads * dim)

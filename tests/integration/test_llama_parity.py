@@ -93,7 +93,7 @@ def reference(parity):
 
 
 def test_llama_forward_logits_match_transformers_fp32(parity):
-    """One prefill of two prompts of different lengths (so one is padded) through the engine's model."""
+    """One step prefilling two prompts of different lengths through the engine's model."""
     llm, hf_model = parity
     engine = llm.engine
     prompts = [engine.tokenizer.encode(PROMPTS[3]), engine.tokenizer.encode(PROMPTS[1])]
@@ -103,7 +103,8 @@ def test_llama_forward_logits_match_transformers_fp32(parity):
         assert engine.block_manager.allocate(seq.block_table, len(ids))
         batch.add(seq, len(ids))
     try:
-        input_ids, positions, meta, _ = engine.runner._prepare(batch)
+        order, input_ids, positions, meta, _ = engine.runner._prepare(batch)
+        assert order == [0, 1]
         with torch.inference_mode():
             model = engine.runner.model
             logits = model.compute_logits(model(input_ids, positions, meta))
