@@ -19,12 +19,19 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None = max(8192, max_model_len)
+    # Tokens computed per step. None = 2048 with chunked prefill (bounds attention's memory on long prompts),
+    # else max(8192, max_model_len) so that any prompt fits in one step.
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # None = sized from the memory budget below
     gpu_memory_utilization: float = 0.9  # share of GPU memory the weights + KV cache may take
     kv_cache_memory_bytes: int = 2 << 30  # CPU: bytes given to the KV cache
     scheduler: Literal["continuous", "static"] = "continuous"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True  # continuous scheduler only
+    # With chunked prefill, the most tokens a prefill in progress takes per step while others wait.
+    # None = a quarter of max_num_batched_tokens.
+    long_prefill_token_threshold: int | None = None
     # Eager PyTorch is the only forward path so far; torch.compile and CUDA graphs (enforce_eager=False) are
     # queued in docs/roadmap.md and refused until they exist.
     enforce_eager: bool = True
@@ -56,6 +63,10 @@ class EngineConfig:
                 "gpu_memory_utilization", "must be in (0, 1]")
         require(self.kv_cache_memory_bytes >= 1, "kv_cache_memory_bytes", "must be >= 1")
         require(self.scheduler in ("continuous", "static"), "scheduler", "must be continuous or static")
+        for flag in ("enable_prefix_caching", "enable_chunked_prefill"):
+            require(isinstance(getattr(self, flag), bool), flag, "must be a bool")
+        require(self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 1,
+                "long_prefill_token_threshold", "must be >= 1")
         require(self.enforce_eager is True, "enforce_eager",
                 "must be True: torch.compile / CUDA graphs are not implemented yet")
 
@@ -66,6 +77,10 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; valid options: {sorted(known)}")
         return cls(model=model or DEFAULT_MODEL, **kwargs)
+
+    @property
+    def chunked_prefill(self) -> bool:
+        return self.enable_chunked_prefill and self.scheduler == "continuous"
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

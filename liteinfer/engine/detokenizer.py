@@ -67,6 +67,12 @@ class IncrementalDetokenizer:
             return self._emit(len(self.text))
         return self._emit(len(self.text) - self._partial_stop_len())
 
+    @property
+    def committed_text(self) -> str:
+        """The text returned as deltas so far: no later token can change it, so it only ever grows (`text` may
+        still lose a tail that turns out to begin a stop string)."""
+        return self.text[: self.num_sent]
+
     def flush(self) -> str:
         """Returns the held-back tail once the sequence has finished for a reason other than a stop string."""
         return self._emit(len(self.text))

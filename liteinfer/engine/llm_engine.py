@@ -37,20 +37,27 @@ class LLMEngine:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(getattr(self.hf_config, "dtype", None))
         self.max_model_len = self._resolve_max_model_len()
-        max_num_batched_tokens = config.max_num_batched_tokens or max(8192, self.max_model_len)
-        if max_num_batched_tokens < self.max_model_len:
+        max_num_batched_tokens = config.max_num_batched_tokens or (
+            2048 if config.chunked_prefill else max(8192, self.max_model_len)
+        )
+        if not config.chunked_prefill and max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}) so that the longest prompt fits in one step"
+                f"({self.max_model_len}) without chunked prefill, so that the longest prompt fits in one step"
             )
 
         model_cls = get_model_class(self.hf_config.architectures)
         model = build_model(model_cls, self.hf_config, self.dtype, self.device, iter_checkpoint(source, self.hf_config))
         self.kv_cache = self._allocate_kv_cache()
         self.kv_cache.bind(model)
-        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size)
-        scheduler_cls = StaticScheduler if config.scheduler == "static" else Scheduler
-        self.scheduler = scheduler_cls(self.block_manager, config.max_num_seqs, max_num_batched_tokens)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        if config.scheduler == "static":
+            self.scheduler = StaticScheduler(self.block_manager, config.max_num_seqs, max_num_batched_tokens)
+        else:
+            self.scheduler = Scheduler(
+                self.block_manager, config.max_num_seqs, max_num_batched_tokens,
+                config.enable_chunked_prefill, config.long_prefill_token_threshold,
+            )
         self.eos_token_ids = self._eos_token_ids()
         self.runner = ModelRunner(model, Sampler(self.eos_token_ids), config.block_size, self.device)
         self.requests: dict[str, Request] = {}
@@ -193,7 +200,8 @@ class LLMEngine:
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
         sampled, sampler_output = self.runner.execute(batch)
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += num_new
+            start, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            self.block_manager.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, start, start + num_new)
 
         updated: dict[str, Request] = {}
         for row, i in enumerate(sampled):

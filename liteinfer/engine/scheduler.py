@@ -1,9 +1,13 @@
 """Which sequences run in the next step, and how many of their tokens.
 
 Continuous batching: every step, running sequences go first (oldest first); if one cannot get a block for its
-next token, the newest running sequence is preempted — its blocks are freed and it goes back to the front of the
+next tokens, the newest running sequence is preempted — its blocks are freed and it goes back to the front of the
 queue to be recomputed later — so the oldest always make progress. Waiting sequences are admitted whenever the
-token budget, the sequence limit and free blocks allow (and no one was preempted this step).
+token budget, the sequence limit and free blocks allow (and no one was preempted this step); with prefix caching,
+an admitted sequence first takes the cached blocks of its longest cached prefix and computes only the rest.
+With chunked prefill, a prompt larger than the step's remaining token budget is computed over several steps, in
+chunks that share each step with the decodes of running sequences; while others wait, a running prefill takes at
+most `long_prefill_token_threshold` tokens per step, so a long prompt cannot hold back everyone's first token.
 Static batching, the simple reference: a batch is admitted only when the previous one has fully finished, with
 blocks for its whole lifetime reserved up front, so it never preempts.
 """
@@ -37,12 +41,23 @@ class ScheduledBatch:
 class Scheduler:
     """Continuous batching with recompute preemption."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = False,
+        long_prefill_token_threshold: int | None = None,
+    ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold or max(1, max_num_batched_tokens // 4)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         seq.status = SequenceStatus.WAITING
@@ -60,8 +75,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = seq.num_tokens - seq.num_computed_tokens
-            if num_new > budget:
+            num_new = self._chunk(seq, budget)
+            if self.waiting and num_new > 1:  # a prefill in progress leaves room for newcomers
+                num_new = min(num_new, self.long_prefill_token_threshold)
+            if num_new == 0:
                 break
             if self._grow_or_preempt(seq, num_new, batch):
                 batch.add(seq, num_new)
@@ -81,17 +98,41 @@ class Scheduler:
                 return False
         return True
 
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """How many of `seq`'s uncomputed tokens fit this step (0: none can)."""
+        num_new = seq.num_tokens - seq.num_computed_tokens
+        if num_new <= budget:
+            return num_new
+        return budget if self.enable_chunked_prefill else 0
+
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            num_new = seq.num_tokens - seq.num_computed_tokens
-            if num_new > budget or not self.block_manager.allocate(seq.block_table, seq.num_tokens):
+            looked_up = not seq.block_table  # forked samples arrive holding their prompt's blocks
+            if looked_up:
+                seq.block_table = self.block_manager.match_prefix(seq.token_ids, seq.block_hashes)
+                seq.num_computed_tokens = len(seq.block_table) * self.block_manager.block_size
+            num_new = self._chunk(seq, budget)
+            if num_new == 0 or not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + num_new):
+                # A waiting sequence must not pin blocks (cached or forked) that running ones may need.
+                self.block_manager.free(seq.block_table)
+                seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            if looked_up:
+                self.prefix_queried_tokens += seq.num_tokens
+                self.prefix_hit_tokens += seq.num_computed_tokens
+                if seq.num_output_tokens == 0:  # a recompute after preemption is not the prompt's cache hit
+                    seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, num_new)
             budget -= num_new
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of the prompt tokens looked up in the prefix cache that were found there."""
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
     def preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq.block_table)

@@ -43,6 +43,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash of each full block, in order
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -68,7 +70,8 @@ class Sequence:
         wants_logprobs = self.params.logprobs is not None
         return CompletionOutput(
             index=self.index,
-            text=self.detokenizer.text,
+            # What a stream may show: never text that a stop string completed by a later token would take back.
+            text=self.detokenizer.committed_text,
             token_ids=self.output_token_ids,
             cumulative_logprob=self.cumulative_logprob if wants_logprobs else None,
             logprobs=list(self.logprobs) if wants_logprobs else None,
@@ -101,5 +104,6 @@ class Request:
             outputs=[seq.to_output() for seq in self.seqs],
             finished=self.is_finished,
             metrics=self.metrics,
+            num_cached_tokens=self.seqs[0].num_cached_tokens,
             error=self.error,
         )

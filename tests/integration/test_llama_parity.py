@@ -266,7 +266,9 @@ def drain(engine) -> dict:
     return finished
 
 
-def test_engine_n3_samples_share_prompt_blocks(llm):
+def test_engine_n3_samples_share_prompt_blocks(tiny_llama_dir):
+    # Prefix caching off: the sharing shown here is the fork's own, not a cache hit.
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, enable_prefix_caching=False)
     engine, manager = llm.engine, llm.engine.block_manager
     prompt_len = len(engine.tokenizer.encode(LONG_PROMPT))
     shared = (prompt_len - 1) // BLOCK_SIZE
@@ -295,6 +297,7 @@ def test_engine_n3_samples_share_prompt_blocks(llm):
     engine.step()
     assert used_blocks(llm) == forked_usage + 2 * shared  # each holds its own copy of the prompt's blocks
     drain(engine)
+    assert all_blocks_free(llm)
 
 
 def test_llm_seeded_request_same_tokens_alone_and_in_batch(llm):
@@ -377,7 +380,7 @@ def test_llm_unknown_engine_option_raises_valueerror(tiny_llama_dir):
         ({"enforce_eager": 1}, "enforce_eager"),
         # Checked against the model once its config is read.
         ({"max_model_len": 100_000}, "max_model_len"),
-        ({"max_num_batched_tokens": 100}, "max_num_batched_tokens"),
+        ({"max_num_batched_tokens": 100, "enable_chunked_prefill": False}, "max_num_batched_tokens"),
         ({"num_kv_blocks": 4}, "KV cache"),  # fewer than one 512-token sequence needs
     ],
 )

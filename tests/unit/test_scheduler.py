@@ -1,4 +1,5 @@
 import itertools
+from collections import Counter
 
 import pytest
 from hypothesis import event, given, settings
@@ -27,8 +28,13 @@ def make_seq(prompt_len: int, max_tokens: int = 8) -> Sequence:
     )
 
 
-def make_scheduler(num_blocks=16, max_num_seqs=8, max_num_batched_tokens=64, cls=Scheduler) -> Scheduler:
-    return cls(BlockManager(num_blocks, BLOCK_SIZE), max_num_seqs, max_num_batched_tokens)
+def make_scheduler(
+    num_blocks=16, max_num_seqs=8, max_num_batched_tokens=64, cls=Scheduler, prefix_caching=False, chunked=False
+) -> Scheduler:
+    manager = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=prefix_caching)
+    if cls is StaticScheduler:
+        return cls(manager, max_num_seqs, max_num_batched_tokens)
+    return cls(manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill=chunked)
 
 
 def run_batch(scheduler: Scheduler, batch: ScheduledBatch) -> list[Sequence]:
@@ -36,7 +42,9 @@ def run_batch(scheduler: Scheduler, batch: ScheduledBatch) -> list[Sequence]:
     sequence that reached its end, and finish those that hit max_tokens. Returns the finished ones."""
     finished = []
     for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        start = seq.num_computed_tokens
         seq.num_computed_tokens += num_new
+        scheduler.block_manager.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, start, start + num_new)
         if seq.num_computed_tokens == seq.num_tokens:
             seq.token_ids.append(1)
             if seq.num_output_tokens >= seq.max_tokens:
@@ -301,22 +309,32 @@ def check_step(scheduler: Scheduler, batch: ScheduledBatch, live: list[Sequence]
         assert batch.preempted == []
     for seq in scheduler.waiting:
         assert seq.block_table == []
-    # Without forks no block is shared: the held blocks are exactly those in the live tables.
-    held = [block for seq in live for block in seq.block_table]
-    assert len(held) == len(set(held))
-    assert manager.num_free_blocks + len(held) == manager.num_blocks
+    # Each block's reference count is the number of live tables holding it (prefix hits share blocks), and the
+    # free list holds exactly the blocks nobody holds: nothing leaked, nothing freed twice.
+    holders = Counter(block for seq in live for block in seq.block_table)
+    assert manager.ref_counts == [holders[block] for block in range(manager.num_blocks)]
+    assert sorted(manager.free_blocks) == [block for block in range(manager.num_blocks) if not holders[block]]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     rounds=st.lists(workload_round, min_size=1, max_size=10),
     max_num_seqs=st.integers(1, 4),
-    budget=st.integers(MAX_PROMPT + MAX_NEW, 2 * (MAX_PROMPT + MAX_NEW)),
+    budget=st.integers(1, 2 * (MAX_PROMPT + MAX_NEW)),
     cls=st.sampled_from([Scheduler, StaticScheduler]),
+    prefix_caching=st.booleans(),
+    chunked=st.booleans(),
 )
-def test_scheduler_random_workload_respects_limits_and_frees_every_block(rounds, max_num_seqs, budget, cls):
-    scheduler = make_scheduler(POOL_BLOCKS, max_num_seqs, budget, cls)
+def test_scheduler_random_workload_respects_limits_and_frees_every_block(
+    rounds, max_num_seqs, budget, cls, prefix_caching, chunked
+):
+    """Preemption, aborts, prefix caching (every prompt repeats one token, so prefixes are shared) and chunked
+    prefill together: limits hold every step and every block comes back exactly once."""
     static = cls is StaticScheduler
+    chunked = chunked and not static
+    if not chunked:  # without chunks the longest sequence must fit in one step
+        budget = max(budget, MAX_PROMPT + MAX_NEW)
+    scheduler = make_scheduler(POOL_BLOCKS, max_num_seqs, budget, cls, prefix_caching, chunked)
     live: list[Sequence] = []
 
     def do_step():
@@ -324,6 +342,8 @@ def test_scheduler_random_workload_respects_limits_and_frees_every_block(rounds,
         check_step(scheduler, batch, live, static)
         if batch.preempted:
             event("preempted")
+        if any(seq.num_cached_tokens for seq in batch.seqs):
+            event("prefix hit")
         for seq in run_batch(scheduler, batch):
             live.remove(seq)
 

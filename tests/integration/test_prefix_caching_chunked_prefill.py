@@ -1,0 +1,136 @@
+"""Prefix caching and chunked prefill change how much is computed per step, never the tokens."""
+
+import pytest
+import torch
+
+from liteinfer import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+SYSTEM = (
+    "You are a careful assistant. Answer briefly, cite the facts you rely on, and say so when you are unsure. "
+    "Prefer plain words to jargon and short sentences to long ones. "
+)
+QUESTIONS = ["What is the capital of France?", "How do bees make honey?", "Why is the sea salty?"]
+# Shared long prefixes, an exact repeat, a prompt with nothing in common, and one far longer than the chunks.
+PROMPTS = [SYSTEM + q for q in QUESTIONS] + [SYSTEM + QUESTIONS[0], "Tell me a joke.", SYSTEM * 4 + "Summarise."]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny model: thread hand-offs cost more than the maths
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_llm(directory, **options) -> LLM:
+    return LLM(str(directory), dtype="float32", num_kv_blocks=256, block_size=16, max_model_len=512, **options)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama):
+    """The plain path: no prefix caching, no chunking, each prompt computed in one step."""
+    directory, _ = tiny_llama
+    llm = make_llm(directory, enable_prefix_caching=False, enable_chunked_prefill=False)
+    return token_ids(llm.generate(PROMPTS, GREEDY))
+
+
+def test_prefix_caching_on_off_same_greedy_tokens(tiny_llama, plain):
+    directory, _ = tiny_llama
+    llm = make_llm(directory, enable_prefix_caching=True, enable_chunked_prefill=False)
+    first = llm.generate(PROMPTS, GREEDY)  # the repeat and shared prefixes can hit within one call
+    second = llm.generate(PROMPTS, GREEDY)  # now every prompt's full blocks are cached
+    assert token_ids(first) == plain
+    assert token_ids(second) == plain
+    block = 16
+    for out in second:
+        assert out.num_cached_tokens == (len(out.prompt_token_ids) - 1) // block * block
+    # All prompts are admitted in one step of the first call, before anything is cached: hits come in the second.
+    assert sum(out.num_cached_tokens for out in first) == 0
+    looked_up = sum(len(out.prompt_token_ids) for out in first + second)
+    hits = sum(out.num_cached_tokens for out in second)
+    assert llm.engine.scheduler.prefix_hit_rate == pytest.approx(hits / looked_up)
+
+
+def test_prefix_caching_off_reports_no_cached_tokens(tiny_llama):
+    directory, _ = tiny_llama
+    llm = make_llm(directory, enable_prefix_caching=False)
+    outs = llm.generate(PROMPTS[:2] * 2, GREEDY)
+    assert all(out.num_cached_tokens == 0 for out in outs)
+    assert llm.engine.scheduler.prefix_hit_rate == 0.0
+
+
+def test_prefix_caching_fully_cached_prompt_computes_its_last_token(tiny_llama, plain):
+    directory, _ = tiny_llama
+    llm = make_llm(directory)
+    prompt_ids = llm.tokenizer.encode(PROMPTS[0])
+    # A prompt of exactly 3 blocks: all of it is cached after the first run except the block of its last token.
+    ids = prompt_ids[:48]
+    first = llm.generate({"prompt_token_ids": ids}, GREEDY)[0]
+    again = llm.generate({"prompt_token_ids": ids}, GREEDY)[0]
+    assert again.num_cached_tokens == 32
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_prefix_caching_chat_turn_reuses_previous_turn(tiny_llama):
+    directory, _ = tiny_llama
+    llm = make_llm(directory)
+    turn = [{"role": "user", "content": SYSTEM + QUESTIONS[1]}]
+    reply = llm.chat(turn, GREEDY)[0]
+    follow_up = turn + [
+        {"role": "assistant", "content": reply.outputs[0].text},
+        {"role": "user", "content": "And why?"},
+    ]
+    second = llm.chat(follow_up, GREEDY)[0]
+    assert second.num_cached_tokens >= (len(reply.prompt_token_ids) // 16 - 1) * 16
+
+
+def test_prefix_caching_n_samples_and_cache_hits_free_every_block(tiny_llama):
+    directory, _ = tiny_llama
+    llm = make_llm(directory)
+    params = SamplingParams(n=3, temperature=0.9, seed=3, max_tokens=12)
+    outs = llm.generate(PROMPTS[:4], params)
+    assert [len(out.outputs) for out in outs] == [3] * 4
+    manager = llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks and not any(manager.ref_counts)
+
+
+def test_chunked_prefill_on_off_same_greedy_tokens(tiny_llama, plain):
+    directory, _ = tiny_llama
+    # A budget of 32 tokens per step splits every prompt here into several chunks.
+    llm = make_llm(directory, enable_prefix_caching=False, enable_chunked_prefill=True, max_num_batched_tokens=32)
+    assert max(len(llm.tokenizer.encode(p)) for p in PROMPTS) > 4 * 32
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
+
+
+def test_chunked_prefill_with_prefix_caching_and_preemption_same_greedy_tokens(tiny_llama, plain):
+    directory, _ = tiny_llama
+    # A pool just big enough for one full-length sequence: requests preempt each other while chunking.
+    llm = LLM(str(directory), dtype="float32", block_size=16, max_model_len=256, num_kv_blocks=16,
+              max_num_batched_tokens=48, enable_prefix_caching=True, enable_chunked_prefill=True)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert token_ids(outs) == plain
+    assert sum(out.metrics.num_preemptions for out in outs) > 0
+
+
+def test_chunked_prefill_new_request_gets_first_token_before_long_prefill_ends(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, enable_prefix_caching=False, max_num_batched_tokens=32)
+    engine = llm.engine
+    long_prompt = {"prompt_token_ids": llm.tokenizer.encode(SYSTEM * 4)}
+    assert len(long_prompt["prompt_token_ids"]) > 4 * 32
+    engine.add_request("long", long_prompt, GREEDY)
+    engine.step()  # the long prompt's first chunk
+    engine.add_request("short", "Hello!", GREEDY)
+    steps = 1
+    while not engine.requests["short"].seqs[0].output_token_ids:
+        engine.step()
+        steps += 1
+    long_seq = engine.requests["long"].seqs[0]
+    assert long_seq.num_computed_tokens < long_seq.num_prompt_tokens, "the long prefill had already finished"
+    assert steps == 2  # the short request joined the very next step
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -1,0 +1,210 @@
+"""The real SmolLM2-135M-Instruct, end to end, against transformers.
+
+The reference model is built by transformers from the GGUF file itself (its own dequantization, name mapping
+and Q/K un-permutation; `from_pretrained(gguf_file=...)` would need `accelerate`, which the project does not
+install), never from our converted cache, so the comparisons cover our conversion too.
+
+Tolerances. In float32 on CPU our log-probabilities differ from transformers' by ~2e-5 (the logprobs test
+prints the maximum), so LOGPROB_ATOL = 1e-3 leaves ~50x headroom for other kernels (e.g. a GPU) and is still
+small against the log-probability gaps between neighbouring tokens. Greedy tokens can only flip where
+transformers' top-2 logits are closer than that noise, and this model does sit on near-ties: over the 480
+greedy positions below, the top-2 gap has median 1.4 but is under 0.05 at 10 positions (smallest 0.007). So a
+greedy divergence is accepted only where transformers' own logits at the first divergent position put both
+tokens within NEAR_TIE = 0.05 of the top logit: hundreds of times the noise (a genuine flip needs a gap of
+~1e-4), while an engine error big enough to change tokens elsewhere would also fail the logprobs test.
+
+Each model loads once per module; the engine's first load converts the GGUF into its cache (~20 s).
+"""
+
+import re
+
+import pytest
+import torch
+from conftest import smollm2_gguf_path
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from liteinfer import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+NUM_NEW_TOKENS = 48
+NEAR_TIE = 0.05  # logit units; see the module docstring
+LOGPROB_ATOL = 1e-3  # ~50x the observed float32 error of a log-softmax value
+# The default KV budget (2 GiB per engine) is far more than these few short sequences need.
+KV_CACHE_BYTES = 512 << 20
+
+PARITY_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the ocean.",
+    "Explain photosynthesis in simple terms.",
+    "List three tips for staying productive while working from home.",
+    "Translate 'good morning' into Spanish and German.",
+    "What is 12 times 7?",
+    "Write a short Python function that reverses a string.",
+    "Give me a fun fact about octopuses.",
+    "Why is the sky blue?",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+]
+
+
+def chat(question: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": question}]
+
+
+def render(tokenizer, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template(chat(question), tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    """transformers' float32 SmolLM2, weights from its own GGUF reader."""
+    path = smollm2_gguf_path()
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    result = model.load_state_dict(tensors, strict=False)
+    assert not result.unexpected_keys
+    # The GGUF stores no output matrix: lm_head is tied to the embeddings (same tensor, so loaded with it).
+    assert result.missing_keys == ["lm_head.weight"]
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model
+
+
+@pytest.fixture(scope="module")
+def llm_fp32():
+    return LLM(dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES)
+
+
+@pytest.fixture(scope="module")
+def llm_bf16():
+    return LLM("SmolLM2-135M-Instruct", dtype="bfloat16", kv_cache_memory_bytes=KV_CACHE_BYTES)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2_tokenizer) -> list[list[int]]:
+    return [render(smollm2_tokenizer, question) for question in PARITY_PROMPTS]
+
+
+@torch.inference_mode()
+def hf_generate(model, prompts: list[list[int]], num_tokens: int, pad_id: int) -> list[list[int]]:
+    """Greedy, exactly `num_tokens` new tokens each, batched with left padding."""
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        do_sample=False,
+        max_new_tokens=num_tokens,
+        min_new_tokens=num_tokens,
+        pad_token_id=pad_id,
+    )
+    return out[:, width:].tolist()
+
+
+@torch.inference_mode()
+def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), vocab] float32 logits of one unpadded sequence."""
+    return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+def test_fp32_greedy_matches_transformers(llm_fp32, hf_model, prompt_ids, smollm2_tokenizer):
+    # Our chat rendering is the reference rendering.
+    assert llm_fp32.apply_chat_template(chat(PARITY_PROMPTS[0])) == prompt_ids[0]
+
+    # transformers' min_new_tokens masks EOS until the count is reached; our equivalent is min_tokens
+    # (ignore_eos alone only keeps going *after* an EOS, the way vLLM does, so the EOS itself is still produced).
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    outputs = llm_fp32.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
+    ours = [out.outputs[0].token_ids for out in outputs]
+    pad_id = smollm2_tokenizer.pad_token_id
+    assert pad_id is not None
+    # Left-padded batching was checked to give the same tokens as transformers at batch 1 on these prompts; a
+    # divergence below is in any case judged on an unpadded batch-1 forward pass.
+    theirs = hf_generate(hf_model, prompt_ids, NUM_NEW_TOKENS, pad_id)
+    eos_ids = sorted(llm_fp32.engine.eos_token_ids)
+
+    exact, divergences = 0, []
+    for question, prompt, mine, ref, out in zip(PARITY_PROMPTS, prompt_ids, ours, theirs, outputs, strict=True):
+        assert len(mine) == len(ref) == NUM_NEW_TOKENS
+        assert out.outputs[0].finish_reason == "length"
+        d = first_divergence(mine, ref)
+        if d is None:
+            exact += 1
+            continue
+        # Both sides forbid EOS here (min tokens).
+        logits = hf_logits(hf_model, prompt + ref[:d])[-1].index_fill(0, torch.tensor(eos_ids), -float("inf"))
+        top = logits.max().item()
+        behind = {tok: top - logits[tok].item() for tok in (mine[d], ref[d])}
+        top2 = logits.topk(2).values.tolist()
+        divergences.append(f"{question!r} @ {d}: top-2 {top2}, ours {mine[d]}, transformers {ref[d]}")
+        assert max(behind.values()) < NEAR_TIE, (
+            f"{question!r}: first divergence at new token {d} is not a near-tie in transformers' logits: "
+            f"top-2 {top2}, ours {mine[d]} is {behind[mine[d]]:.4f} behind, transformers' {ref[d]} "
+            f"{behind[ref[d]]:.4f} behind"
+        )
+    print(f"fp32 greedy parity: {exact}/{len(PARITY_PROMPTS)} prompts identical; near-tie divergences: {divergences}")
+
+
+def test_fp32_logprobs_match_transformers(llm_fp32, hf_model, prompt_ids):
+    prompts = [prompt_ids[2], prompt_ids[8]]
+    params = SamplingParams(logprobs=5, temperature=0, max_tokens=8)
+    outputs = llm_fp32.generate([{"prompt_token_ids": ids} for ids in prompts], params)
+    max_error = 0.0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        completion = out.outputs[0]
+        tokens = completion.token_ids
+        assert len(tokens) == 8 and len(completion.logprobs) == 8
+        # Teacher-forced: the reference sees exactly the tokens we generated.
+        ref = hf_logits(hf_model, prompt + tokens[:-1])[len(prompt) - 1 :].log_softmax(-1)
+        for pos, (token, position) in enumerate(zip(tokens, completion.logprobs, strict=True)):
+            # Greedy picks the top token, so it is one of the 5 and the dict holds exactly 5 entries.
+            assert len(position) == 5 and position[token].rank == 1, (pos, position)
+            assert ref[pos].max() - ref[pos, token] < NEAR_TIE
+            ranked = sorted(position.items(), key=lambda item: item[1].rank)
+            assert [lp.rank for _, lp in ranked] == [1, 2, 3, 4, 5]
+            ours = torch.tensor([lp.logprob for _, lp in ranked], dtype=torch.float64)
+            theirs = ref[pos, [tid for tid, _ in ranked]].double()
+            torch.testing.assert_close(ours, theirs, atol=LOGPROB_ATOL, rtol=0)
+            # The 5 we report are transformers' top 5 (compared by value, so a tie at rank 5 cannot flake).
+            torch.testing.assert_close(ours, ref[pos].topk(5).values.double(), atol=LOGPROB_ATOL, rtol=0)
+            max_error = max(max_error, (ours - theirs).abs().max().item())
+        expected_cumulative = sum(position[token].logprob for token, position in zip(tokens, completion.logprobs))
+        assert completion.cumulative_logprob == pytest.approx(expected_cumulative, abs=1e-4)
+    print(f"fp32 logprobs: max |ours - transformers| = {max_error:.2e}")
+
+
+BF16_PROMPTS = [
+    "What is the capital of France?",
+    "What is the capital of Japan?",
+    "Name the three primary colors.",
+    "Write one sentence about why people like cats.",
+]
+
+
+def test_bf16_answers_fluently(llm_bf16):
+    assert llm_bf16.engine.dtype == torch.bfloat16
+    params = SamplingParams(temperature=0, max_tokens=96)
+    outputs = llm_bf16.chat([chat(q) for q in BF16_PROMPTS], params)
+    texts = [out.outputs[0].text for out in outputs]
+    reasons = [out.outputs[0].finish_reason for out in outputs]
+    print(f"bf16 answers: {list(zip(reasons, texts))}")
+
+    assert sum(reason == "stop" for reason in reasons) >= 3, reasons
+    for question, text in zip(BF16_PROMPTS, texts, strict=True):
+        assert text.strip(), question
+        assert sum(c.isascii() for c in text) >= 0.95 * len(text), text
+        words = re.findall(r"[A-Za-z]+", text)
+        assert len(words) >= 3, text
+        # Degenerate output (one word looping) has few distinct words.
+        assert len({w.lower() for w in words}) >= 0.4 * len(words), text
+    # Facts this 135M model gets right in float32 (it does not know the largest planet, say) must survive bf16.
+    assert "Paris" in texts[0]
+    assert "Tokyo" in texts[1]
+    assert {"red", "blue", "yellow"} <= {w.lower() for w in re.findall(r"[A-Za-z]+", texts[2])}
