@@ -6,7 +6,8 @@ are written into their slots first; then each query attends to its sequence's ke
 at positions up to its own (and within the sliding window, for layers that have one).
 
 Single-token steps (decodes) are batched into one grouped matmul; each multi-token step (a prefill or a chunk of
-one) runs on its own, so a long prefill never pads the decodes that share its step.
+one) runs on its own through PyTorch's fused scaled-dot-product attention, so a long prefill never pads the decodes
+that share its step and never materialises its [queries, keys] score matrix.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -78,8 +80,32 @@ class PagedAttention(nn.Module):
             num_keys = int(positions[-1]) + 1
             keys = self.k_cache[span.block_table].flatten(0, 1)[:num_keys]
             values = self.v_cache[span.block_table].flatten(0, 1)[:num_keys]
-            outputs.append(self._attend(q[span.start : span.end][None], keys[None], values[None], positions[None]))
+            outputs.append(self._attend_span(q[span.start : span.end], keys, values, positions))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _attend_span(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """One sequence's new tokens q: [n, heads, dim] against its keys, values: [L, kv_heads, dim]."""
+        if self.logit_softcap is not None:  # the fused kernel cannot cap scores before the softmax
+            return self._attend(q[None], keys[None], values[None], positions[None])
+        # A prompt computed from its start with no window is plain causal attention; otherwise an explicit mask
+        # (the kernel's is_causal aligns the first query with the first key, not with its own position).
+        plain_causal = self.sliding_window is None and keys.shape[0] == q.shape[0]
+        mask = None if plain_causal else ~self._hidden_keys(positions, keys.shape[0])
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=mask, is_causal=plain_causal, scale=self.scale, enable_gqa=True,
+        )
+        return out.transpose(0, 1).reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _hidden_keys(self, query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
+        """[..., Lq, num_keys] True where a key lies after the query or outside its sliding window."""
+        key_positions = torch.arange(num_keys, device=query_positions.device)
+        hidden = key_positions > query_positions[..., None]
+        if self.sliding_window is not None:
+            hidden |= key_positions <= query_positions[..., None] - self.sliding_window
+        return hidden
 
     def _attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_positions: torch.Tensor
@@ -96,10 +122,7 @@ class PagedAttention(nn.Module):
         scores = torch.matmul(q, keys.permute(0, 2, 3, 1)).float() * self.scale
         if self.logit_softcap is not None:
             scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
-        key_positions = torch.arange(keys.shape[1], device=keys.device)
-        hidden = key_positions > query_positions[..., None]  # [B, Lq, L]: keys after the query
-        if self.sliding_window is not None:
-            hidden |= key_positions <= query_positions[..., None] - self.sliding_window
+        hidden = self._hidden_keys(query_positions, keys.shape[1])  # [B, Lq, L]
         scores = scores.view(batch, kv_heads, group, query_len, -1).masked_fill_(hidden[:, None, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(values.dtype).view(batch, kv_heads, group * query_len, -1)
         out = torch.matmul(probs, values.transpose(1, 2)).view(batch, kv_heads, group, query_len, dim)
