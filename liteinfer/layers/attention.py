@@ -57,47 +57,75 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
-        # Bound by the model runner to this layer's slice of the pool: [num_blocks, block_size, kv_heads, dim].
+        # Bound by the model runner to this layer's slice of the pool: [kv_heads, num_blocks, block_size, dim].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, heads * dim], k, v: [T, kv_heads * dim] -> [T, heads * dim]."""
-        num_tokens, dim = q.shape[0], self.head_dim
-        k_slots, v_slots = self.k_cache.flatten(0, 1), self.v_cache.flatten(0, 1)  # [slots, kv_heads, dim]
-        k_slots.index_copy_(0, meta.slot_mapping, k.view(num_tokens, self.num_kv_heads, dim))
-        v_slots.index_copy_(0, meta.slot_mapping, v.view(num_tokens, self.num_kv_heads, dim))
+        num_tokens, dim, kv_heads = q.shape[0], self.head_dim, self.num_kv_heads
+        k_slots, v_slots = self.k_cache.flatten(1, 2), self.v_cache.flatten(1, 2)  # [kv_heads, slots, dim]
+        k_slots.index_copy_(1, meta.slot_mapping, k.view(num_tokens, kv_heads, dim).transpose(0, 1))
+        v_slots.index_copy_(1, meta.slot_mapping, v.view(num_tokens, kv_heads, dim).transpose(0, 1))
         q = q.view(num_tokens, self.num_heads, dim)
 
         outputs = []
         decodes = meta.num_decodes
         if decodes:
-            tables = meta.decode_block_tables
-            keys, values = self.k_cache[tables].flatten(1, 2), self.v_cache[tables].flatten(1, 2)
-            outputs.append(self._attend(q[:decodes].unsqueeze(1), keys, values, meta.positions[:decodes, None]))
+            keys, values = self._gather(meta.decode_block_tables)  # [kv_heads, decodes, keys, dim]
+            outputs.append(self._attend_decodes(q[:decodes], keys, values, meta.positions[:decodes]))
         for span in meta.prefills:
             positions = meta.positions[span.start : span.end]
             num_keys = int(positions[-1]) + 1
-            keys = self.k_cache[span.block_table].flatten(0, 1)[:num_keys]
-            values = self.v_cache[span.block_table].flatten(0, 1)[:num_keys]
+            keys, values = self._gather(span.block_table[None])
+            keys, values = keys[:, 0, :num_keys], values[:, 0, :num_keys]  # [kv_heads, num_keys, dim]
             outputs.append(self._attend_span(q[span.start : span.end], keys, values, positions))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V of each sequence's blocks, [kv_heads, seqs, blocks * block_size, dim] (one copy each)."""
+        shape = (self.num_kv_heads, block_tables.shape[0], -1, self.head_dim)
+        flat = block_tables.flatten()
+        return self.k_cache.index_select(1, flat).view(shape), self.v_cache.index_select(1, flat).view(shape)
+
+    def _attend_decodes(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """One new token per sequence, q: [D, heads, dim]; keys, values: [kv_heads, D, L, dim] (key j at position j).
+
+        Query heads that share a KV head are stacked into one matrix, so each KV head is read once: GQA becomes
+        [kv_heads, D, group, dim] @ [kv_heads, D, dim, L]. Softmax runs in fp32.
+        """
+        decodes = q.shape[0]
+        q = q.view(decodes, self.num_kv_heads, -1, self.head_dim).transpose(0, 1)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale  # [kv_heads, D, group, L]
+        if self.logit_softcap is not None:
+            scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
+        scores.masked_fill_(self._hidden_keys(positions, keys.shape[2])[:, None], float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [kv_heads, D, group, dim]
+        return out.transpose(0, 1).reshape(decodes, self.num_heads * self.head_dim)
 
     def _attend_span(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
-        """One sequence's new tokens q: [n, heads, dim] against its keys, values: [L, kv_heads, dim]."""
+        """One sequence's new tokens q: [n, heads, dim] against its keys, values: [kv_heads, L, dim]."""
+        num_new, num_keys = q.shape[0], keys.shape[1]
+        q = q.transpose(0, 1)  # [heads, n, dim]
         if self.logit_softcap is not None:  # the fused kernel cannot cap scores before the softmax
-            return self._attend(q[None], keys[None], values[None], positions[None])
-        # A prompt computed from its start with no window is plain causal attention; otherwise an explicit mask
-        # (the kernel's is_causal aligns the first query with the first key, not with its own position).
-        plain_causal = self.sliding_window is None and keys.shape[0] == q.shape[0]
-        mask = None if plain_causal else ~self._hidden_keys(positions, keys.shape[0])
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=mask, is_causal=plain_causal, scale=self.scale, enable_gqa=True,
-        )
-        return out.transpose(0, 1).reshape(q.shape[0], self.num_heads * self.head_dim)
+            group = self.num_heads // self.num_kv_heads
+            scores = torch.matmul(q.unflatten(0, (self.num_kv_heads, group)), keys[:, None].transpose(-1, -2))
+            scores = torch.tanh(scores.float() * self.scale / self.logit_softcap) * self.logit_softcap
+            scores.masked_fill_(self._hidden_keys(positions, num_keys), float("-inf"))
+            out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values[:, None]).flatten(0, 1)
+        else:
+            # A prompt computed from its start with no window is plain causal attention; otherwise an explicit
+            # mask (the kernel's is_causal aligns the first query with the first key, not with its position).
+            plain_causal = self.sliding_window is None and num_keys == num_new
+            mask = None if plain_causal else ~self._hidden_keys(positions, num_keys)
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=plain_causal, scale=self.scale, enable_gqa=True
+            )
+        return out.transpose(0, 1).reshape(num_new, self.num_heads * self.head_dim)
 
     def _hidden_keys(self, query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
         """[..., Lq, num_keys] True where a key lies after the query or outside its sliding window."""
@@ -106,24 +134,3 @@ class PagedAttention(nn.Module):
         if self.sliding_window is not None:
             hidden |= key_positions <= query_positions[..., None] - self.sliding_window
         return hidden
-
-    def _attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_positions: torch.Tensor
-    ) -> torch.Tensor:
-        """q: [B, Lq, heads, dim]; keys, values: [B, L, kv_heads, dim] (key j at position j); -> [B * Lq, heads*dim].
-
-        Query heads that share a KV head are stacked into one matrix, so each KV head is read once: GQA becomes
-        [B, kv_heads, group * Lq, dim] @ [B, kv_heads, dim, L]. Softmax runs in fp32.
-        """
-        batch, query_len = q.shape[:2]
-        kv_heads, dim = self.num_kv_heads, self.head_dim
-        group = self.num_heads // kv_heads
-        q = q.view(batch, query_len, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, -1, dim)
-        scores = torch.matmul(q, keys.permute(0, 2, 3, 1)).float() * self.scale
-        if self.logit_softcap is not None:
-            scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
-        hidden = self._hidden_keys(query_positions, keys.shape[1])  # [B, Lq, L]
-        scores = scores.view(batch, kv_heads, group, query_len, -1).masked_fill_(hidden[:, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype).view(batch, kv_heads, group * query_len, -1)
-        out = torch.matmul(probs, values.transpose(1, 2)).view(batch, kv_heads, group, query_len, dim)
-        return out.permute(0, 3, 1, 2, 4).reshape(batch * query_len, self.num_heads * dim)
