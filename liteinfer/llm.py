@@ -10,10 +10,9 @@ from tqdm.auto import tqdm
 from liteinfer.config import EngineConfig
 from liteinfer.engine import LLMEngine
 from liteinfer.engine.llm_engine import PromptType
+from liteinfer.engine.prompts import Message, check_all, pair_prompts, render_chat
 from liteinfer.outputs import RequestOutput
 from liteinfer.sampling import SamplingParams
-
-Message = dict[str, str]
 
 
 class LLM:
@@ -30,26 +29,12 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
-        # Every request is checked before any is queued, so one bad prompt leaves nothing behind.
-        checked = []
-        for prompt, params in zip(prompts, params_list):
-            text, token_ids = self.engine.validate_request(prompt, params)
-            checked.append({"prompt": text, "prompt_token_ids": token_ids})
-
-        request_ids = [f"gen-{next(self._request_ids)}" for _ in prompts]
-        for request_id, prompt, params in zip(request_ids, checked, params_list):
+        requests = check_all(self.engine, pair_prompts(prompts, sampling_params))
+        request_ids = [f"gen-{next(self._request_ids)}" for _ in requests]
+        for request_id, (prompt, params) in zip(request_ids, requests):
             self.engine.add_request(request_id, prompt, params)
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as progress:
+        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as progress:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:
@@ -73,10 +58,4 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
-        text = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-        # The template already writes any BOS it wants; letting the tokenizer add another would double it.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return render_chat(self.tokenizer, conversation, add_generation_prompt)

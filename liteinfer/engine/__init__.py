@@ -5,9 +5,11 @@ anything is queued), `step` asks the `Scheduler` for a batch, has the `ModelRunn
 hands back a `RequestOutput` for every request that advanced; `abort_request` ends a request and frees its blocks
 at once. When KV blocks run out the scheduler preempts and recomputes rather than failing, and a failure inside one
 request ends that request alone. The engine never blocks on I/O and holds no threads: sync and async front ends
-drive the same `step`.
+drive the same `step`. `AsyncLLM` is the async one: a background loop that runs `step` off the event loop's
+thread, with per-request streams, cancellation and a bounded queue.
 """
 
+from liteinfer.engine.async_llm import AsyncLLM
 from liteinfer.engine.llm_engine import LLMEngine
 
-__all__ = ["LLMEngine"]
+__all__ = ["AsyncLLM", "LLMEngine"]

@@ -1,15 +1,17 @@
-"""The `liteinfer` command: `generate` answers prompts, `demo` shows the default model at work, `models` lists
-the supported architectures."""
+"""The `liteinfer` command: `generate` answers prompts, `serve` runs the OpenAI-compatible server, `demo` shows
+the default model at work, `models` lists the supported architectures."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import textwrap
 import time
 
 from liteinfer.config import DEFAULT_MODEL
+from liteinfer.engine.async_llm import DEFAULT_MAX_WAITING_SEQS
 from liteinfer.llm import LLM
 from liteinfer.models import supported_architectures
 from liteinfer.outputs import RequestOutput
@@ -92,6 +94,15 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    # FastAPI and uvicorn load only for this command, keeping `generate` quick to start.
+    from liteinfer.entrypoints.openai.server import serve
+
+    serve(args.model, args.host, args.port, api_key=args.api_key, served_model_name=args.served_model_name,
+          max_waiting_seqs=args.max_waiting_seqs, **_engine_options(args))
+    return 0
+
+
 def _models(args: argparse.Namespace) -> int:
     for name in supported_architectures():
         print(name)
@@ -164,8 +175,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="send each prompt as a user message (chat template)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     _add_model_args(gen, default_dtype="auto")
-    gen.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
-    gen.add_argument("--max-num-seqs", type=int, help="most requests decoded together")
+    _add_batching_args(gen)
     sampling = gen.add_argument_group("sampling")
     # Longer than SamplingParams' 16: a command-line user wants a whole answer.
     sampling.add_argument("--max-tokens", type=int, default=128, help="most tokens per answer (default: 128)")
@@ -184,9 +194,28 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=64, help="most tokens per answer (default: 64)")
     demo.set_defaults(run=_demo, parser=demo)
 
+    serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                                description="Serve the model over an OpenAI-compatible HTTP API (see README).")
+    _add_model_args(serve, default_dtype="auto")
+    _add_batching_args(serve)
+    serve.add_argument("--max-waiting-seqs", type=int, default=DEFAULT_MAX_WAITING_SEQS,
+                       help="queued sequences past which requests get 503 (default: %(default)s)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    # From the environment by default: a key on the command line shows in `ps`.
+    serve.add_argument("--api-key", default=os.environ.get("LITEINFER_API_KEY"),
+                       help="require `Authorization: Bearer KEY` (default: $LITEINFER_API_KEY; none: open)")
+    serve.add_argument("--served-model-name", help="the model's name in the API (default: --model)")
+    serve.set_defaults(run=_serve, parser=serve)
+
     models = commands.add_parser("models", help="list the supported model architectures")
     models.set_defaults(run=_models, parser=models)
     return parser
+
+
+def _add_batching_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=int, help="most requests decoded together")
 
 
 def _add_model_args(parser: argparse.ArgumentParser, default_dtype: str) -> None:

@@ -1,0 +1,333 @@
+"""`AsyncLLM`: the same `LLMEngine`, driven by one background loop so that asyncio code can stream and cancel.
+
+The engine is not thread-safe, so it is touched from one thread only: a single-worker executor runs every engine
+call — steps, adds, aborts, tokenization — one after another, while the event loop stays free. An add or abort
+submitted during a step therefore lands between that step and the next. Each submission has one asyncio queue;
+the loop puts every `RequestOutput` of its requests there, and the caller's iterator turns them into events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import Sequence as SequenceABC
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from liteinfer.config import EngineConfig
+from liteinfer.engine.llm_engine import LLMEngine, PromptType
+from liteinfer.engine.prompts import Message, check_all, pair_prompts, render_chat
+from liteinfer.outputs import FinishReason, PositionLogprobs, RequestOutput
+from liteinfer.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Enough to keep a busy server's batch full; small enough that a flood of requests is refused, not hoarded.
+DEFAULT_MAX_WAITING_SEQS = 1024
+
+
+class EngineOverloadedError(RuntimeError):
+    """More sequences would wait for the engine than `max_waiting_seqs` allows; try again later."""
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One sample's progress: sent for every new token, and once more if it ends without one (abort)."""
+
+    request_id: str
+    index: int  # which of the request's n samples
+    text: str  # all output text so far
+    delta: str  # text new since this sample's previous event
+    token_ids: list[int]  # all output token ids so far
+    new_token_ids: list[int]  # the ids new since the previous event
+    finished: bool  # this sample has ended
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None
+    logprobs: list[PositionLogprobs] | None  # of the new tokens; None unless the params asked for logprobs
+    num_prompt_tokens: int
+    error: str | None = None  # set when the request failed inside the engine
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's load as of its last step."""
+
+    num_running_seqs: int = 0
+    num_waiting_seqs: int = 0
+    kv_cache_usage: float = 0.0  # share of KV blocks in use, 0..1
+
+
+class AsyncLLM:
+    """`async with AsyncLLM(model, **engine_options) as llm:` — `generate`, `stream`, `submit`, `abort`.
+
+    Requests from any number of tasks share the engine's continuous batch. Leaving an event iterator early,
+    cancelling the task that reads it, or `abort(request_id)` ends the request and frees its KV blocks before the
+    next step. Past `max_waiting_seqs` queued sequences, new requests raise `EngineOverloadedError`.
+    """
+
+    def __init__(
+        self, model: str | None = None, *, max_waiting_seqs: int = DEFAULT_MAX_WAITING_SEQS, **engine_options: Any
+    ):
+        if isinstance(max_waiting_seqs, bool) or not isinstance(max_waiting_seqs, int) or max_waiting_seqs < 1:
+            raise ValueError(f"max_waiting_seqs must be an integer >= 1, got {max_waiting_seqs!r}")
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.max_waiting_seqs = max_waiting_seqs
+        self.stats = EngineStats()
+        self.error: BaseException | None = None  # why the loop died, if it did
+        self._request_ids = itertools.count()
+        self._queues: dict[str, asyncio.Queue] = {}  # request id -> its submission's output queue
+        self._executor: ThreadPoolExecutor | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._stopping = False
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Life cycle
+
+    async def __aenter__(self) -> AsyncLLM:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
+
+    @property
+    def is_running(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    async def start(self) -> None:
+        if self._loop_task is not None:
+            raise RuntimeError("AsyncLLM is already running")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="liteinfer-engine")
+        self._wakeup = asyncio.Event()
+        self._stopping = False
+        self.error = None
+        self._loop_task = asyncio.create_task(self._run(), name="liteinfer-engine-loop")
+
+    async def shutdown(self) -> None:
+        """Finish the current step, abort every request left (their readers get finish_reason "abort"), stop."""
+        if self._loop_task is None:
+            return
+        self._stopping = True
+        self._wakeup.set()
+        try:
+            await self._loop_task
+            self._dispatch(await self._on_engine(self._abort_all))
+        finally:
+            self._executor.shutdown(wait=False)  # an abort still queued by a closing reader finds nothing to do
+            self._executor = self._loop_task = None
+
+    async def _run(self) -> None:
+        try:
+            while not self._stopping:
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                self._dispatch(await self._on_engine(self._step))
+        except Exception as exc:  # a bug or an out-of-memory: every reader must hear of it, not hang
+            logger.exception("the engine loop failed")
+            self.error = exc
+            for queue in set(self._queues.values()):
+                queue.put_nowait(exc)
+            self._queues.clear()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Requests
+
+    async def generate(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Submit every prompt at once (they are batched together); the final outputs, in prompt order."""
+        request_ids, queue = await self._submit(pair_prompts(prompts, sampling_params), None)
+        finished: dict[str, RequestOutput] = {}
+        async with aclosing(self._outputs(request_ids, queue)) as outputs:
+            async for output in outputs:
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[request_id] for request_id in request_ids]
+
+    async def stream(
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[StreamEvent]:
+        """`async for event in llm.stream(prompt, params)`: one `StreamEvent` per new token of each sample."""
+        events = await self.submit([prompt], sampling_params, None if request_id is None else [request_id])
+        async with aclosing(events):
+            async for event in events:
+                yield event
+
+    async def submit(
+        self,
+        prompts: SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        request_ids: SequenceABC[str] | None = None,
+    ) -> AsyncGenerator[StreamEvent, None]:
+        """Queue every prompt now — raising `ValueError` or `EngineOverloadedError` before any is queued — and
+        return the events of all of them, in step order. Closing the iterator aborts the unfinished ones."""
+        ids, queue = await self._submit(pair_prompts(list(prompts), sampling_params), request_ids)
+        return self._events(ids, queue)
+
+    async def abort(self, request_id: str) -> None:
+        """End a request now (its reader gets a last event, finish_reason "abort"); unknown ids are ignored."""
+        output = await self._on_engine(self._abort, request_id)
+        if output is not None:
+            self._dispatch([output])
+
+    async def _submit(
+        self, requests: list[tuple[PromptType, SamplingParams]], request_ids: SequenceABC[str] | None
+    ) -> tuple[list[str], asyncio.Queue]:
+        if self.error is not None:
+            raise RuntimeError(f"the engine loop has failed: {self.error!r}")
+        if request_ids is None:
+            request_ids = [f"req-{next(self._request_ids)}" for _ in requests]
+        request_ids = list(request_ids)
+        if len(request_ids) != len(requests) or len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"need {len(requests)} distinct request ids, got {request_ids}")
+        if in_use := [request_id for request_id in request_ids if request_id in self._queues]:
+            raise ValueError(f"request id(s) {in_use} already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        for request_id in request_ids:  # registered first, so that no output can come before its reader
+            self._queues[request_id] = queue
+        try:
+            await self._on_engine(self._add_all, request_ids, requests)
+        except BaseException as exc:
+            for request_id in request_ids:
+                self._queues.pop(request_id, None)
+                if isinstance(exc, asyncio.CancelledError):  # the add may still have gone through: take it back
+                    self._abort_soon(request_id)
+            raise
+        self._wakeup.set()
+        return request_ids, queue
+
+    async def _outputs(self, request_ids: list[str], queue: asyncio.Queue) -> AsyncGenerator[RequestOutput, None]:
+        unfinished = set(request_ids)
+        try:
+            while unfinished:
+                output = await queue.get()
+                if isinstance(output, BaseException):
+                    raise RuntimeError("the engine loop failed") from output
+                if output.finished:
+                    unfinished.discard(output.request_id)
+                yield output
+        finally:
+            for request_id in request_ids:
+                self._queues.pop(request_id, None)
+            for request_id in unfinished:  # the reader left early (break, cancel, error): free the blocks
+                self._abort_soon(request_id)
+
+    async def _events(self, request_ids: list[str], queue: asyncio.Queue) -> AsyncGenerator[StreamEvent, None]:
+        seen: dict[tuple[str, int], tuple[int, int, bool]] = {}  # (request, sample) -> (tokens, chars, finished)
+        async with aclosing(self._outputs(request_ids, queue)) as outputs:
+            async for output in outputs:
+                for event in _new_events(output, seen):
+                    yield event
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Tokenizer work, run on the engine's thread like everything else that uses the tokenizer
+
+    async def apply_chat_template(self, conversation: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        return await self._on_engine(render_chat, self.tokenizer, conversation, add_generation_prompt)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._on_engine(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        vocab = self.engine.hf_config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"token ids must be integers in [0, {vocab})")
+        return await self._on_engine(self.tokenizer.decode, token_ids)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # The engine's thread: only these touch the engine
+
+    async def _on_engine(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if self._executor is None:
+            raise RuntimeError("AsyncLLM is not running: use `async with AsyncLLM(...) as llm:`")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    def _step(self) -> list[RequestOutput]:
+        outputs = self.engine.step()
+        self._update_stats()
+        return outputs
+
+    def _add_all(self, request_ids: list[str], requests: list[tuple[PromptType, SamplingParams]]) -> None:
+        waiting = len(self.engine.scheduler.waiting) + sum(params.n for _, params in requests)
+        if waiting > self.max_waiting_seqs:
+            raise EngineOverloadedError(
+                f"the engine is overloaded: {waiting} sequences would wait, more than max_waiting_seqs="
+                f"{self.max_waiting_seqs}; retry later"
+            )
+        for request_id, (prompt, params) in zip(request_ids, check_all(self.engine, requests)):
+            self.engine.add_request(request_id, prompt, params)
+        self._update_stats()
+
+    def _abort(self, request_id: str) -> RequestOutput | None:
+        output = self.engine.abort_request(request_id)
+        self._update_stats()
+        return output
+
+    def _abort_all(self) -> list[RequestOutput]:
+        return [output for request_id in list(self.engine.requests) if (output := self._abort(request_id))]
+
+    def _update_stats(self) -> None:
+        scheduler = self.engine.scheduler
+        self.stats = EngineStats(len(scheduler.running), len(scheduler.waiting), self.engine.block_manager.usage)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Back on the event loop
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+            if output.finished:
+                self._queues.pop(output.request_id, None)
+
+    def _abort_soon(self, request_id: str) -> None:
+        """Queue an abort without waiting for it (a closing generator cannot wait); it runs before the next step."""
+        if self._executor is None:  # shut down: every request has been aborted already
+            return
+        future = asyncio.get_running_loop().run_in_executor(self._executor, self._abort, request_id)
+        future.add_done_callback(_log_failure)
+
+
+def _new_events(output: RequestOutput, seen: dict[tuple[str, int], tuple[int, int, bool]]) -> list[StreamEvent]:
+    """The events of the samples that advanced (or ended) since `seen`, which is updated."""
+    events = []
+    for sample in output.outputs:
+        key = (output.request_id, sample.index)
+        num_tokens, num_chars, was_finished = seen.get(key, (0, 0, False))
+        if len(sample.token_ids) == num_tokens and sample.finished == was_finished:
+            continue
+        seen[key] = (len(sample.token_ids), len(sample.text), sample.finished)
+        events.append(StreamEvent(
+            request_id=output.request_id,
+            index=sample.index,
+            text=sample.text,
+            delta=sample.text[num_chars:],  # the engine's text only grows, so the delta is its new tail
+            token_ids=sample.token_ids,
+            new_token_ids=sample.token_ids[num_tokens:],
+            finished=sample.finished,
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
+            logprobs=None if sample.logprobs is None else sample.logprobs[num_tokens:],
+            num_prompt_tokens=len(output.prompt_token_ids),
+            error=output.error,
+        ))
+    return events
+
+
+def _log_failure(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.error("aborting a request failed", exc_info=future.exception())

@@ -1,0 +1,54 @@
+"""What callers hand the engine, made into requests: a batch of prompts paired with their sampling params and
+checked as a whole, and chat conversations rendered with the model's template. Shared by `LLM` and `AsyncLLM`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+from typing import TYPE_CHECKING
+
+from liteinfer.engine.llm_engine import LLMEngine, PromptType
+from liteinfer.sampling import SamplingParams
+
+if TYPE_CHECKING:  # transformers is slow to import and only needed for the annotation
+    from transformers import PreTrainedTokenizerBase
+
+Message = dict[str, str]
+
+
+def pair_prompts(
+    prompts: PromptType | SequenceABC[PromptType],
+    sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
+) -> list[tuple[PromptType, SamplingParams]]:
+    """One prompt or a list, with one `SamplingParams` for all (None = defaults) or one per prompt."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [(prompt, sampling_params or SamplingParams()) for prompt in prompts]
+    params_list = list(sampling_params)
+    if len(params_list) != len(prompts):
+        raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+    return list(zip(prompts, params_list))
+
+
+def check_all(
+    engine: LLMEngine, requests: list[tuple[PromptType, SamplingParams]]
+) -> list[tuple[PromptType, SamplingParams]]:
+    """Every request validated before any is queued, so one bad prompt leaves nothing behind. Prompts come back
+    tokenized, so queuing them does not tokenize twice."""
+    checked = []
+    for prompt, params in requests:
+        text, token_ids = engine.validate_request(prompt, params)
+        checked.append(({"prompt": text, "prompt_token_ids": token_ids}, params))
+    return checked
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase, conversation: list[Message], add_generation_prompt: bool = True
+) -> list[int]:
+    """The prompt token ids of a conversation, rendered with the tokenizer's chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    # The template already writes any BOS it wants; letting the tokenizer add another would double it.
+    return tokenizer.encode(text, add_special_tokens=False)

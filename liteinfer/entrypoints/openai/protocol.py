@@ -1,0 +1,271 @@
+"""The OpenAI wire format: pydantic models of the requests the server accepts and the responses it sends."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from liteinfer.engine.llm_engine import PromptType
+from liteinfer.engine.prompts import Message
+from liteinfer.sampling import SamplingParams
+
+# SamplingParams fields a request may set under the same name; None (or absent) leaves SamplingParams' default.
+_SAMPLING_FIELDS = (
+    "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+)
+
+
+class OpenAIRequest(BaseModel):
+    # Strict, as OpenAI's own API is: "0.5" is not a number and 1 is not a bool. Unknown fields are ignored, since
+    # clients send some we have no use for (user, metadata, ...).
+    model_config = ConfigDict(strict=True, extra="ignore")
+    # Fields we know but do not implement: refused when set, rather than silently ignored.
+    unsupported: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in cls.unsupported:
+                if data.get(name) not in (None, False, [], {}):
+                    raise ValueError(f"{name} is not supported by this server")
+        return data
+
+
+class StreamOptions(OpenAIRequest):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIRequest):
+    """What completions and chat share; top_k, min_p, repetition_penalty, min_tokens and ignore_eos are extras
+    beyond OpenAI's set, with vLLM's names."""
+
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError (naming the field first) for values SamplingParams refuses."""
+        given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingRequest):
+    unsupported: ClassVar[tuple[str, ...]] = ("echo", "suffix", "logit_bias", "best_of")
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default; null = up to the context limit
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def prompts(self) -> list[PromptType]:
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if isinstance(prompt[0], int):
+            return [{"prompt_token_ids": prompt}]
+        return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+
+
+class TextPart(OpenAIRequest):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIRequest):
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def as_template_message(self) -> Message:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(SamplingRequest):
+    unsupported: ClassVar[tuple[str, ...]] = (
+        "logit_bias", "tools", "tool_choice", "functions", "function_call", "response_format", "audio",
+    )
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # null = up to the context limit
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def conversation(self) -> list[Message]:
+        return [message.as_template_message() for message in self.messages]
+
+
+class TokenizeRequest(OpenAIRequest):
+    """Either a text `prompt` or chat `messages` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(OpenAIRequest):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Responses
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended the sample (vLLM's extra)
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, or (streaming) one chunk of it: OpenAI uses the same object for both."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "liteinfer"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

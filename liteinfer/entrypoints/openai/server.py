@@ -1,0 +1,455 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one `AsyncLLM`, SSE streaming, OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from contextlib import aclosing, asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import jinja2
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+
+from liteinfer import __version__
+from liteinfer.engine.async_llm import AsyncLLM, EngineOverloadedError, StreamEvent
+from liteinfer.engine.llm_engine import PromptType
+from liteinfer.entrypoints.openai.metrics import ServerMetrics
+from liteinfer.entrypoints.openai.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    OpenAIRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from liteinfer.outputs import Logprob, PositionLogprobs
+from liteinfer.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                503: "overloaded_error"}
+# nginx's "client closed request": nobody reads it, but logs tell it from a served request.
+_CLIENT_CLOSED_REQUEST = 499
+
+
+class APIError(Exception):
+    """An error the client should see, with its HTTP status, in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        error_type = _ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=error_type, param=self.param,
+                                             code=self.code)).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The ASGI app; its lifespan starts and stops `llm`'s engine loop."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with llm:
+            yield
+
+    app = FastAPI(title="liteinfer", version=__version__, lifespan=lifespan)
+    _add_error_handlers(app)
+    server = OpenAIServer(llm, model_name)
+
+    app.get("/health")(server.health)
+    app.get("/version")(server.version)
+    app.get("/metrics")(server.metrics_text)
+    # Health and metrics stay open so that probes and scrapers need no key.
+    protected = APIRouter(dependencies=[Depends(_bearer_check(api_key))] if api_key else [])
+    protected.get("/v1/models")(server.models)
+    protected.post("/v1/completions")(server.completions)
+    protected.post("/v1/chat/completions")(server.chat_completions)
+    protected.post("/tokenize")(server.tokenize)
+    protected.post("/detokenize")(server.detokenize)
+    app.include_router(protected)
+    return app
+
+
+def serve(model: str | None, host: str, port: int, api_key: str | None = None,
+          served_model_name: str | None = None, **async_llm_options: Any) -> None:
+    """Load the model, then serve it until interrupted (what `liteinfer serve` runs)."""
+    llm = AsyncLLM(model, **async_llm_options)
+    app = build_app(llm, served_model_name or llm.engine.config.model, api_key)
+    # Open streams get a few seconds to finish on shutdown; the rest are aborted with the engine loop.
+    uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=5)
+
+
+class OpenAIServer:
+    """The route handlers, over one `AsyncLLM` serving one model."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str):
+        self.llm = llm
+        self.model_name = model_name
+        self.metrics = ServerMetrics(llm)
+
+    async def health(self) -> Response:
+        if not self.llm.is_running:
+            return APIError(503, "the engine loop is not running").response()
+        return JSONResponse({"status": "ok"})
+
+    async def version(self) -> dict:
+        return {"version": __version__}
+
+    async def metrics_text(self) -> Response:
+        return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.llm.max_model_len)])
+
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self._check_model(body.model)
+        with _user_errors(body):
+            if body.messages is not None:
+                conversation = [message.as_template_message() for message in body.messages]
+                tokens = await self.llm.apply_chat_template(conversation, body.add_generation_prompt)
+            else:
+                tokens = await self.llm.tokenize(body.prompt, body.add_special_tokens)
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=self.llm.max_model_len)
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(body.model)
+        with _user_errors(body):
+            return DetokenizeResponse(prompt=await self.llm.detokenize(body.tokens))
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Completions
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        with _user_errors(body):
+            params = body.sampling_params(body.max_tokens, body.logprobs)
+            prompts = body.prompts()
+        batch = await self._submit("cmpl", body, prompts, params)
+        num_top = body.logprobs
+
+        def choice(index: int, text: str, token_ids: list[int], positions: list[PositionLogprobs] | None,
+                   offset: int, finish_reason: str | None, stop_reason: str | int | None) -> CompletionChoice:
+            return CompletionChoice(
+                index=index, text=text, finish_reason=finish_reason, stop_reason=stop_reason,
+                logprobs=None if num_top is None else _completion_logprobs(token_ids, positions, num_top, offset),
+            )
+
+        if body.stream:
+            def chunk(event: StreamEvent, index: int) -> CompletionResponse:
+                offset = len(event.text) - len(event.delta)
+                return batch.completion(choices=[choice(index, event.delta, event.new_token_ids, event.logprobs,
+                                                        offset, event.finish_reason, event.stop_reason)])
+
+            return batch.stream(chunk, lambda usage: batch.completion(choices=[], usage=usage), body.include_usage)
+
+        samples = await self._collect(batch, request)
+        if samples is None:
+            return Response(status_code=_CLIENT_CLOSED_REQUEST)
+        choices = [choice(i, s.text, s.token_ids, s.logprobs, 0, s.finish_reason, s.stop_reason)
+                   for i, s in enumerate(samples)]
+        return JSONResponse(batch.completion(choices=choices, usage=batch.usage.total()).model_dump())
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Chat completions
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        num_top = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        with _user_errors(body):
+            params = body.sampling_params(max_tokens, num_top)
+            prompt = {"prompt_token_ids": await self.llm.apply_chat_template(body.conversation())}
+        batch = await self._submit("chatcmpl", body, [prompt], params)
+
+        def logprobs(token_ids: list[int], positions: list[PositionLogprobs] | None) -> ChatLogprobs | None:
+            return None if num_top is None else _chat_logprobs(token_ids, positions, num_top)
+
+        if body.stream:
+            def chunk(event: StreamEvent, index: int) -> ChatCompletionChunk:
+                delta = ChatDelta(content=event.delta) if event.delta else ChatDelta()
+                choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs(event.new_token_ids,
+                                         event.logprobs), finish_reason=event.finish_reason,
+                                         stop_reason=event.stop_reason)
+                return batch.chat_chunk(choices=[choice])
+
+            # As OpenAI does, each choice opens with the assistant's role before any token is ready.
+            first = [batch.chat_chunk(choices=[ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
+                                                                                        content=""))])
+                     for i in range(params.n)]
+            return batch.stream(chunk, lambda usage: batch.chat_chunk(choices=[], usage=usage), body.include_usage,
+                                first)
+
+        samples = await self._collect(batch, request)
+        if samples is None:
+            return Response(status_code=_CLIENT_CLOSED_REQUEST)
+        choices = [
+            ChatChoice(index=i, message=AssistantMessage(content=s.text), logprobs=logprobs(s.token_ids, s.logprobs),
+                       finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+            for i, s in enumerate(samples)
+        ]
+        response = ChatCompletionResponse(id=batch.id, created=batch.created, model=self.model_name,
+                                          choices=choices, usage=batch.usage.total())
+        return JSONResponse(response.model_dump())
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Shared
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(400, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                           param="model", code="model_not_found")
+
+    async def _submit(self, prefix: str, body: OpenAIRequest, prompts: list[PromptType],
+                      params: SamplingParams) -> _Batch:
+        batch_id = f"{prefix}-{uuid.uuid4().hex}"
+        request_ids = [f"{batch_id}-{i}" for i in range(len(prompts))]
+        arrival = time.monotonic()
+        with _user_errors(body):
+            events = await self.llm.submit(prompts, params, request_ids)
+        return _Batch(batch_id, self.model_name, params.n, request_ids, self.metrics.track(events, arrival))
+
+    async def _collect(self, batch: _Batch, request: Request) -> list[_Sample] | None:
+        """Every sample's final result in choice order; None if the client left first (its requests aborted)."""
+        samples = [_Sample() for _ in range(len(batch.request_ids) * batch.n)]
+
+        async def collect() -> list[_Sample]:
+            async with aclosing(batch.events) as events:
+                async for event in events:
+                    if event.error is not None:
+                        raise APIError(500, f"the request failed: {event.error}")
+                    batch.usage.add(event)
+                    samples[batch.choice_index(event)].add(event)
+            return samples
+
+        return await _unless_disconnected(request, collect())
+
+
+@dataclass
+class _Sample:
+    """One choice of a response, accumulated from its events."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, event: StreamEvent) -> None:
+        self.text, self.token_ids = event.text, event.token_ids
+        self.logprobs += event.logprobs or []
+        self.finish_reason, self.stop_reason = event.finish_reason, event.stop_reason
+
+
+@dataclass
+class _UsageTally:
+    prompt_tokens: dict[str, int] = field(default_factory=dict)  # per request: a prompt counts once for n samples
+    completion_tokens: int = 0
+
+    def add(self, event: StreamEvent) -> None:
+        self.prompt_tokens[event.request_id] = event.num_prompt_tokens
+        self.completion_tokens += len(event.new_token_ids)
+
+    def total(self) -> Usage:
+        prompt_tokens = sum(self.prompt_tokens.values())
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=self.completion_tokens,
+                     total_tokens=prompt_tokens + self.completion_tokens)
+
+
+@dataclass
+class _Batch:
+    """The requests of one API call (one per prompt, each with n samples) and their merged events."""
+
+    id: str
+    model: str
+    n: int
+    request_ids: list[str]
+    events: AsyncGenerator[StreamEvent, None]
+    created: int = field(default_factory=lambda: int(time.time()))
+    usage: _UsageTally = field(default_factory=_UsageTally)
+
+    def choice_index(self, event: StreamEvent) -> int:
+        return self.request_ids.index(event.request_id) * self.n + event.index
+
+    def completion(self, **fields: Any) -> CompletionResponse:
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, **fields)
+
+    def chat_chunk(self, **fields: Any) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, **fields)
+
+    def stream(
+        self,
+        chunk: Callable[[StreamEvent, int], BaseModel],
+        usage_chunk: Callable[[Usage], BaseModel],
+        include_usage: bool,
+        first: Sequence[BaseModel] = (),
+    ) -> StreamingResponse:
+        """Server-sent events: `first`, a chunk per event, the usage if asked for, then `data: [DONE]`. A client
+        that disconnects cancels the response's task, which closes the events and so aborts the requests."""
+
+        async def sse() -> AsyncIterator[str]:
+            try:
+                for data in first:
+                    yield _sse(data)
+                async with aclosing(self.events) as events:
+                    async for event in events:
+                        if event.error is not None:
+                            yield _sse(APIError(500, f"the request failed: {event.error}").body())
+                            continue
+                        self.usage.add(event)
+                        # A token whose text is held back (half a character, a possible stop string) and whose
+                        # logprobs nobody asked for has nothing to show.
+                        if event.delta or event.finished or event.logprobs:
+                            yield _sse(chunk(event, self.choice_index(event)))
+                if include_usage:
+                    yield _sse(usage_chunk(self.usage.total()))
+            except Exception:  # the status line is sent already: report in the stream, keep the server up
+                logger.exception("streaming %s failed", self.id)
+                yield _sse(APIError(500, "internal server error").body())
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _sse(data: BaseModel | dict) -> str:
+    payload = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)
+    return f"data: {payload}\n\n"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Logprobs in OpenAI's two formats
+
+
+def _top(position: PositionLogprobs, k: int) -> list[Logprob]:
+    return sorted(position.values(), key=lambda logprob: logprob.rank)[:k]
+
+
+def _completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs], k: int,
+                         offset: int) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for token_id, position in zip(token_ids, positions):
+        chosen = position[token_id]
+        out.tokens.append(chosen.decoded_token or "")
+        out.token_logprobs.append(chosen.logprob)
+        out.top_logprobs.append({lp.decoded_token or "": lp.logprob for lp in _top(position, k)})
+        out.text_offset.append(offset)
+        offset += len(chosen.decoded_token or "")
+    return out
+
+
+def _chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], k: int) -> ChatLogprobs:
+    def fields(logprob: Logprob) -> dict:
+        token = logprob.decoded_token or ""
+        return {"token": token, "logprob": logprob.logprob, "bytes": list(token.encode())}
+
+    return ChatLogprobs(content=[
+        TokenLogprob(**fields(position[token_id]), top_logprobs=[TopLogprob(**fields(lp)) for lp in _top(position, k)])
+        for token_id, position in zip(token_ids, positions)
+    ])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Errors, authentication, disconnects
+
+
+@contextmanager
+def _user_errors(body: OpenAIRequest) -> Iterator[None]:
+    """The client's mistakes as 400s (naming the field when the message starts with it), overload as 503."""
+    try:
+        yield
+    except EngineOverloadedError as exc:
+        raise APIError(503, str(exc)) from exc
+    except (ValueError, jinja2.TemplateError) as exc:
+        first_word = str(exc).split(" ", 1)[0]
+        raise APIError(400, str(exc), param=first_word if first_word in type(body).model_fields else None) from exc
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = exc.errors()[0]
+        if error["type"] == "json_invalid":
+            return APIError(400, f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}"
+                            ).response()
+        location = [str(part) for part in error["loc"] if part != "body"]
+        if not location:  # the body as a whole: not an object, or not sent as JSON
+            return APIError(400, "the body must be a JSON object, sent as Content-Type: application/json").response()
+        param = ".".join(location)
+        return APIError(400, f"{param}: {error['msg']}", param=param).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return APIError(500, "internal server error").response()
+
+
+def _bearer_check(api_key: str) -> Callable[[Request], Coroutine[Any, Any, None]]:
+    async def check(request: Request) -> None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
+                           code="invalid_api_key")
+
+    return check
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """Run `work`, cancelling it if the client disconnects first (then None)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if task.done() and not task.cancelled() else None

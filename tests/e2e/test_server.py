@@ -1,0 +1,447 @@
+"""The OpenAI-compatible server on a loopback port, driven by the official `openai` client and by raw HTTP."""
+
+import asyncio
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from liteinfer import LLM, SamplingParams
+from liteinfer.engine.async_llm import AsyncLLM
+from liteinfer.entrypoints.openai.server import build_app
+
+MODEL = "tiny-llama"
+API_KEY = "test-key"
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Hello, my name is"]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+
+
+@contextmanager
+def running_server(app):
+    """Serve `app` on a free loopback port from a background thread; yields the port."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(3000):  # at most ~30 s
+        if server.started or not thread.is_alive():
+            break
+        time.sleep(0.01)
+    assert server.started, "the server did not start"
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the server did not stop"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir):
+    """(AsyncLLM, port) of a server that requires API_KEY."""
+    llm = AsyncLLM(str(tiny_llama_dir), dtype="float32")
+    with running_server(build_app(llm, MODEL, api_key=API_KEY)) as port:
+        yield llm, port
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="module")
+def port(served):
+    return served[1]
+
+
+@pytest.fixture(scope="module")
+def client(port):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def sync_llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def expected(sync_llm):
+    """prompt -> the greedy completion of MAX_TOKENS tokens, from `LLM.generate`."""
+    return {prompt: out.outputs[0] for prompt, out in zip(PROMPTS, sync_llm.generate(PROMPTS, GREEDY))}
+
+
+def request(port: int, method: str, path: str, body=None, api_key: str | None = API_KEY, timeout: float = 60):
+    """(status, parsed JSON body) of one plain HTTP request; `body` bytes are sent as they are."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    headers = {"Content-Type": "application/json"}
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key}"
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    try:
+        conn.request(method, path, body=data, headers=headers)
+        response = conn.getresponse()
+        raw = response.read()
+        return response.status, json.loads(raw) if raw and raw[:1] in b"{[" else raw
+    finally:
+        conn.close()
+
+
+def open_stream(port: int, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    response = conn.getresponse()
+    assert response.status == 200
+    return conn, response
+
+
+def next_sse_data(response: http.client.HTTPResponse) -> dict:
+    for _ in range(100):
+        line = response.fp.readline().strip()
+        if line.startswith(b"data: "):
+            return json.loads(line[len(b"data: "):])
+    raise AssertionError("no SSE data line")
+
+
+def wait_until(condition, what: str, tries: int = 1000) -> None:
+    for _ in range(tries):  # at most ~10 s
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The openai client
+
+
+def test_completion_equals_llm_generate_with_correct_usage(client, expected, sync_llm):
+    prompt = PROMPTS[0]
+    result = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    choice = result.choices[0]
+    assert choice.text == expected[prompt].text
+    assert choice.finish_reason == expected[prompt].finish_reason
+    assert result.object == "text_completion" and result.model == MODEL
+    num_prompt_tokens = len(sync_llm.tokenizer.encode(prompt))
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.total_tokens) == (
+        num_prompt_tokens, len(expected[prompt].token_ids), num_prompt_tokens + len(expected[prompt].token_ids))
+
+
+def test_completion_of_several_prompts_keeps_their_order(client, expected):
+    result = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.index for c in result.choices] == list(range(len(PROMPTS)))
+    assert [c.text for c in result.choices] == [expected[p].text for p in PROMPTS]
+    assert result.usage.completion_tokens == sum(len(expected[p].token_ids) for p in PROMPTS)
+
+
+def test_completion_stream_concatenates_to_the_same_text_and_reports_usage(client, expected):
+    prompt = PROMPTS[1]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    *token_chunks, usage_chunk = chunks
+    assert "".join(c.choices[0].text for c in token_chunks) == expected[prompt].text
+    assert token_chunks[-1].choices[0].finish_reason == expected[prompt].finish_reason
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == len(expected[prompt].token_ids)
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_completion_equals_llm_chat(client, sync_llm):
+    reference = sync_llm.chat(QUESTION, GREEDY)[0]
+    result = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0)
+    assert result.choices[0].message.role == "assistant"
+    assert result.choices[0].message.content == reference.outputs[0].text
+    assert result.usage.prompt_tokens == len(reference.prompt_token_ids)
+    assert result.usage.completion_tokens == len(reference.outputs[0].token_ids)
+
+
+def test_chat_stream_opens_with_the_role_and_concatenates_to_the_text(client, sync_llm):
+    reference = sync_llm.chat(QUESTION, GREEDY)[0].outputs[0]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reference.text
+    assert chunks[-1].choices[0].finish_reason == reference.finish_reason
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_n_2_gives_two_seeded_samples_streamed_or_not(client, sync_llm):
+    params = SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=MAX_TOKENS)
+    samples = [s.text for s in sync_llm.generate(PROMPTS[0], params)[0].outputs]
+    assert samples[0] != samples[1]
+    args = dict(model=MODEL, prompt=PROMPTS[0], n=2, temperature=0.9, seed=3, max_tokens=MAX_TOKENS)
+    whole = client.completions.create(**args)
+    assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == samples
+    streamed = ["", ""]
+    for chunk in client.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == samples
+
+
+def test_stop_string_ends_the_completion_before_it(client, expected):
+    text = expected[PROMPTS[2]].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert text.find(stop) == len(text) // 2
+    result = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0,
+                                       stop=[stop, "never appears"])
+    assert result.choices[0].text == text[: len(text) // 2]
+    assert result.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0,
+                                         stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text[: len(text) // 2]
+
+
+def test_completion_logprobs_match_the_engine(client, sync_llm):
+    reference = sync_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2))
+    sample = reference[0].outputs[0]
+    result = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                       logprobs=2)
+    logprobs = result.choices[0].logprobs
+    assert logprobs.token_logprobs == pytest.approx([lp[t].logprob for t, lp in zip(sample.token_ids,
+                                                                                      sample.logprobs)])
+    assert "".join(logprobs.tokens) == sample.text
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) == 2 and max(top.values()) == pytest.approx(chosen)  # greedy: the chosen token is top-1
+
+
+def test_chat_logprobs_list_the_top_alternatives(client):
+    result = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0,
+                                            logprobs=True, top_logprobs=3)
+    content = result.choices[0].logprobs.content
+    assert len(content) == result.usage.completion_tokens
+    assert "".join(entry.token for entry in content) == result.choices[0].message.content
+    for entry in content:
+        assert [top.logprob for top in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
+                                                                       reverse=True)
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert bytes(entry.bytes).decode(errors="replace") == entry.token
+
+
+def test_32_concurrent_streaming_clients_all_get_their_text(port, expected):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0,
+                                    timeout=120)
+
+        async def one(prompt):
+            stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                     temperature=0, stream=True)
+            return "".join([chunk.choices[0].text async for chunk in stream])
+
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
+        texts = await asyncio.gather(*(one(prompt) for prompt in prompts))
+        await client.close()
+        return prompts, texts
+
+    prompts, texts = asyncio.run(main())
+    assert texts == [expected[prompt].text for prompt in prompts]
+
+
+@pytest.fixture
+def aborted(served, monkeypatch):
+    """request id -> final output of every request the engine aborts during the test."""
+    engine, outputs = served[0].engine, {}
+    abort_request = engine.abort_request
+
+    def spy(request_id):
+        output = abort_request(request_id)
+        if output is not None:
+            outputs[request_id] = output
+        return output
+
+    monkeypatch.setattr(engine, "abort_request", spy)
+    return outputs
+
+
+def test_disconnecting_client_is_aborted_and_others_are_undisturbed(served, client, expected, aborted):
+    llm, port = served
+
+    def complete(prompt):
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                           stream=True)
+        return "".join(chunk.choices[0].text for chunk in stream)
+
+    conn, response = open_stream(port, {"prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True})
+    with ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(complete, prompt) for prompt in PROMPTS]
+        request_id = next_sse_data(response)["id"] + "-0"
+        response.close()
+        conn.close()
+        assert [other.result(timeout=60) for other in others] == [expected[prompt].text for prompt in PROMPTS]
+    wait_until(lambda: request_id in aborted, "the disconnected request to be aborted")
+    assert aborted[request_id].outputs[0].finish_reason == "abort"
+    assert len(aborted[request_id].outputs[0].token_ids) < 400
+    wait_until(lambda: not llm.engine.has_unfinished_requests(), "the engine to go idle")
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_client_leaving_before_a_whole_response_aborts_it(served, aborted):
+    llm, port = served
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = {"prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    wait_until(llm.engine.has_unfinished_requests, "the request to be queued")
+    conn.close()
+    wait_until(lambda: aborted, "the request to be aborted")
+    [output] = aborted.values()
+    assert output.prompt == PROMPTS[1] and output.outputs[0].finish_reason == "abort"
+    wait_until(lambda: not llm.engine.has_unfinished_requests(), "the engine to go idle")
+
+
+def test_request_failing_in_the_engine_gets_a_500_error_and_the_server_goes_on(served, client, monkeypatch):
+    llm, port = served
+    append_token = llm.engine._append_token
+
+    def fail_marked(request, seq, out, row):
+        if seq.params.max_tokens == 7:  # the marked requests below
+            raise RuntimeError("injected failure")
+        return append_token(request, seq, out, row)
+
+    monkeypatch.setattr(llm.engine, "_append_token", fail_marked)
+    status, response = request(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 7})
+    assert status == 500 and "injected failure" in response["error"]["message"]
+    assert response["error"]["type"] == "server_error"
+    with pytest.raises(openai.APIError, match="injected failure"):
+        list(client.completions.create(model=MODEL, prompt="hi", max_tokens=7, stream=True))
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The other routes
+
+
+def test_models_health_version_and_tokenize_round_trip(port, sync_llm):
+    status, models = request(port, "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
+    assert request(port, "GET", "/health", api_key=None)[0] == 200
+    status, version = request(port, "GET", "/version", api_key=None)
+    assert status == 200 and version["version"]
+    status, tokenized = request(port, "POST", "/tokenize", {"prompt": PROMPTS[0]})
+    assert status == 200 and tokenized["tokens"] == sync_llm.tokenizer.encode(PROMPTS[0])
+    assert tokenized["count"] == len(tokenized["tokens"])
+    status, chat = request(port, "POST", "/tokenize", {"messages": QUESTION})
+    assert status == 200 and chat["tokens"] == sync_llm.apply_chat_template(QUESTION)
+    status, detokenized = request(port, "POST", "/detokenize", {"tokens": tokenized["tokens"]})
+    assert status == 200 and detokenized["prompt"] == PROMPTS[0]
+
+
+def test_metrics_parse_and_count_the_traffic(port, client):
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+    status, text = request(port, "GET", "/metrics", api_key=None)
+    assert status == 200
+    samples = {s.name: s.value for family in text_string_to_metric_families(text.decode()) for s in family.samples}
+    assert samples["liteinfer_num_seqs_running"] >= 0 and samples["liteinfer_num_seqs_waiting"] >= 0
+    assert 0 <= samples["liteinfer_kv_cache_usage_ratio"] <= 1
+    assert samples["liteinfer_prompt_tokens_total"] > 0
+    assert samples["liteinfer_generation_tokens_total"] >= MAX_TOKENS
+    assert samples["liteinfer_time_to_first_token_seconds_count"] >= 1
+    assert samples["liteinfer_inter_token_latency_seconds_count"] >= MAX_TOKENS - 1
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Bad input: OpenAI's error shape with the right status, and the server goes on
+
+
+TOO_LONG = {"model": MODEL, "prompt": [1] * 600}
+BAD_REQUESTS = {
+    "malformed JSON": ("POST", "/v1/completions", b'{"model": "tiny-llama", "prompt": ', 400, None),
+    "not an object": ("POST", "/v1/completions", b"[1, 2]", 400, None),
+    "wrong type": ("POST", "/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    "wrong nested type": ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400,
+                          "messages.0.content.str"),
+    "missing field": ("POST", "/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    "bad value": ("POST", "/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    "bad n": ("POST", "/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    "bad top_p": ("POST", "/v1/chat/completions", {"messages": QUESTION, "top_p": 0}, 400, "top_p"),
+    "too many logprobs": ("POST", "/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
+    "empty prompt": ("POST", "/v1/completions", {"prompt": ""}, 400, None),
+    "unsupported field": ("POST", "/v1/chat/completions", {"messages": QUESTION, "tools": [{"type": "x"}]}, 400,
+                          None),
+    "unknown model": ("POST", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 400, "model"),
+    "prompt too long": ("POST", "/v1/completions", TOO_LONG, 400, None),
+    "bad token id": ("POST", "/detokenize", {"tokens": [-1]}, 400, None),
+    "unknown route": ("GET", "/v1/nothing-here", None, 404, None),
+    "wrong method": ("GET", "/v1/completions", None, 405, None),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_gets_its_status_and_an_openai_error(port, case):
+    method, path, body, expected_status, expected_param = BAD_REQUESTS[case]
+    status, response = request(port, method, path, body)
+    assert status == expected_status
+    error = response["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and "Traceback" not in error["message"]
+    assert error["param"] == expected_param
+    assert request(port, "GET", "/health", api_key=None)[0] == 200
+
+
+@pytest.mark.parametrize("api_key", [None, "wrong-key"])
+def test_missing_or_wrong_api_key_gets_401(port, api_key):
+    status, response = request(port, "POST", "/v1/completions", {"prompt": "hi"}, api_key=api_key)
+    assert status == 401 and response["error"]["code"] == "invalid_api_key"
+    assert request(port, "GET", "/v1/models", api_key=api_key)[0] == 401
+
+
+def test_overloaded_server_answers_503_and_recovers(tiny_llama_dir):
+    # One running sequence and room for one more in the queue; the third request is refused.
+    llm = AsyncLLM(str(tiny_llama_dir), dtype="float32", max_num_seqs=1, max_waiting_seqs=1)
+    long = {"prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True}
+    with running_server(build_app(llm, MODEL)) as port:
+        running = open_stream(port, long)
+        next_sse_data(running[1])  # it has a token: it is running
+        queued = open_stream(port, long)  # the status line comes once the request is queued
+        status, response = request(port, "POST", "/v1/completions", {"prompt": "hi"})
+        assert status == 503 and response["error"]["type"] == "overloaded_error"
+        for conn, response in (running, queued):
+            response.close()
+            conn.close()
+        wait_until(lambda: not llm.engine.has_unfinished_requests(), "the streams to be aborted")
+        status, response = request(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert status == 200 and response["usage"]["completion_tokens"] == 2
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The command
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_command_serves_until_interrupted(tiny_llama_dir):
+    port = free_port()
+    command = [sys.executable, "-m", "liteinfer.entrypoints.cli", "serve", "--model", str(tiny_llama_dir),
+               "--port", str(port), "--served-model-name", MODEL, "--max-model-len", "256"]
+    env = {**os.environ, "LITEINFER_API_KEY": API_KEY}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(600):  # at most ~60 s for python, torch and the model to load
+            try:
+                if request(port, "GET", "/health", api_key=None, timeout=1)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert process.poll() is None, process.stdout.read().decode()
+            time.sleep(0.1)
+        status, models = request(port, "GET", "/v1/models")
+        assert status == 200 and models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 256
+        assert request(port, "GET", "/v1/models", api_key=None)[0] == 401
+    finally:
+        process.send_signal(signal.SIGINT)
+        output = process.communicate(timeout=30)[0].decode()
+    assert process.returncode == 0, output
+    assert "Traceback" not in output
