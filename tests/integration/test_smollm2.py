@@ -208,3 +208,20 @@ def test_bf16_answers_fluently(llm_bf16):
     assert "Paris" in texts[0]
     assert "Tokyo" in texts[1]
     assert {"red", "blue", "yellow"} <= {w.lower() for w in re.findall(r"[A-Za-z]+", texts[2])}
+
+
+def test_fp32_prefix_caching_and_chunked_prefill_keep_greedy_tokens(llm_fp32, prompt_ids):
+    """The default engine (prefix caching and chunked prefill on) against the plain path, on chat prompts that all
+    share the template's default system prompt, and with every prompt split into chunks."""
+    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids[:6]]
+    llm_fp32.generate(prompts, params)
+    cached = llm_fp32.generate(prompts, params)  # the same prompts again: served from the cache
+    assert all(out.num_cached_tokens >= 32 for out in cached)
+    plain = LLM(dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES, enable_prefix_caching=False,
+                enable_chunked_prefill=False)
+    chunked = LLM(dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES, enable_prefix_caching=False,
+                  max_num_batched_tokens=16)
+    expected = [out.outputs[0].token_ids for out in plain.generate(prompts, params)]
+    assert [out.outputs[0].token_ids for out in cached] == expected
+    assert [out.outputs[0].token_ids for out in chunked.generate(prompts, params)] == expected
