@@ -88,3 +88,13 @@ def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     directory = tmp_path_factory.mktemp("tiny-llama")
     make_tiny_llama(directory, smollm2_tokenizer, "gqa-untied")
     return directory
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA: without a device they are reported as skipped, never silently passed."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
