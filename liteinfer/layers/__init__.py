@@ -8,15 +8,23 @@ writes K/V only through the paged cache it is bound to and the step's `Attention
 per-request state.
 """
 
-from liteinfer.layers.activation import SiluAndMul
+from liteinfer.layers.activation import GatedActivation
 from liteinfer.layers.attention import AttentionMetadata, PagedAttention, PrefillSpan
+from liteinfer.layers.decoder import FULL, SLIDING, DecoderLayer, DecoderSpec, GatedMLP, SelfAttention
 from liteinfer.layers.embedding import LMHead, VocabEmbedding
 from liteinfer.layers.linear import Linear, PackedLinear
-from liteinfer.layers.norm import RMSNorm
+from liteinfer.layers.norm import GemmaRMSNorm, RMSNorm
 from liteinfer.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 __all__ = [
+    "FULL",
+    "SLIDING",
     "AttentionMetadata",
+    "DecoderLayer",
+    "DecoderSpec",
+    "GatedActivation",
+    "GatedMLP",
+    "GemmaRMSNorm",
     "LMHead",
     "Linear",
     "PackedLinear",
@@ -24,7 +32,7 @@ __all__ = [
     "PrefillSpan",
     "RMSNorm",
     "RotaryEmbedding",
-    "SiluAndMul",
+    "SelfAttention",
     "VocabEmbedding",
     "apply_rotary",
     "rope_parameters",

@@ -23,7 +23,8 @@ class PackedLinear(Linear):
     """Several projections of the same input fused into one matmul (q/k/v, gate/up).
 
     `shards` names each projection and its output width in order; the checkpoint's separate tensors are copied
-    into their row range by `weight_loader(param, tensor, shard_id)`, so one GEMM replaces several.
+    into their row range by `weight_loader(param, tensor, shard_id)`, so one GEMM replaces several. A checkpoint
+    that stores the projections already fused in this order (Phi-3) loads whole, with shard_id None.
     """
 
     def __init__(self, input_size: int, shards: dict[str | int, int], bias: bool = False):
@@ -36,9 +37,9 @@ class PackedLinear(Linear):
         for param in self.parameters():
             param.weight_loader = self.load_shard
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int) -> None:
-        offset, size = self.shard_offsets[shard_id]
-        target = param.data.narrow(0, offset, size)
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        target = param.data if shard_id is None else param.data.narrow(0, *self.shard_offsets[shard_id])
         if target.shape != loaded.shape:
-            raise ValueError(f"shard {shard_id!r}: expected shape {tuple(target.shape)}, got {tuple(loaded.shape)}")
+            what = "fused tensor" if shard_id is None else f"shard {shard_id!r}"
+            raise ValueError(f"{what}: expected shape {tuple(target.shape)}, got {tuple(loaded.shape)}")
         target.copy_(loaded)

@@ -27,3 +27,13 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's variant: the checkpoint stores the scale as an offset from 1, and it is applied in fp32 before the
+    cast back (the reference's order, which matters in bf16)."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)

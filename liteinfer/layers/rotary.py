@@ -1,4 +1,4 @@
-"""Rotary position embedding (the Hugging Face "rotate half" layout), with llama3 frequency scaling."""
+"""Rotary position embedding (the Hugging Face "rotate half" layout), with llama3, linear and longrope scaling."""
 
 from __future__ import annotations
 
@@ -9,16 +9,21 @@ import torch
 from torch import nn
 
 
-def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) from a transformers config: 5.x keeps both in `rope_parameters`, 4.x in two fields."""
+def rope_parameters(config: Any, layer_type: str | None = None) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from a transformers config: 5.x keeps both in `rope_parameters` (one dict per layer type
+    where layer types differ, as in Gemma 3: pass `layer_type`), 4.x in two fields."""
     params = getattr(config, "rope_parameters", None)
+    if params and layer_type in params:
+        params = params[layer_type]
     if params:
-        scaling = params if params.get("rope_type", "default") != "default" else None
-        return float(params["rope_theta"]), scaling
-    scaling = getattr(config, "rope_scaling", None)
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        theta, scaling = float(params["rope_theta"]), params
+    else:
+        theta, scaling = float(getattr(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None) or {}
+    if scaling.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
-    return float(getattr(config, "rope_theta", 10000.0)), scaling
+    return theta, scaling
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -32,18 +37,48 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return (1 - blend) * inv_freq / factor + blend * inv_freq
 
 
+def _longrope_inv_freq(
+    powers: torch.Tensor, max_position: int, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: (inverse frequencies, factor scaling cos and sin); each frequency has its own divisor.
+
+    The divisors are `long_factor` when the positions served (`max_position`) run past the original context, else
+    `short_factor`: llama.cpp's rule, by context size. transformers picks per forward pass by the sequence's
+    length instead, and recomputes the sequence's whole cache when it grows past the original context; cached K/V
+    shared between sequences (prefix caching) cannot follow each sequence's length, so here the context decides.
+    The two agree on every sequence when the context fits in the original one, and otherwise on every sequence
+    whose prompt runs past it.
+    """
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:  # the paper's default: make up for the entropy of the longer context
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    divisors = scaling["long_factor" if max_position > original else "short_factor"]
+    return 1.0 / (torch.tensor(divisors, dtype=torch.float32) * powers), attention_factor
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        if scaling is not None:
-            rope_type = scaling.get("rope_type", scaling.get("type"))
-            if rope_type != "llama3":
-                raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, llama3)")
+        powers = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        inv_freq = 1.0 / powers
+        rope_type = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+        attention_factor = 1.0
+        if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type == "linear":  # positions interpolated: angles shrink by `factor`
+            inv_freq = inv_freq / scaling["factor"]
+        elif rope_type == "longrope":
+            inv_freq, attention_factor = _longrope_inv_freq(powers, max_position, scaling)
+        elif rope_type is not None:
+            raise ValueError(
+                f"unsupported rope scaling type {rope_type!r} (supported: default, llama3, linear, longrope)"
+            )
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor
         # Kept in fp32 whatever the model dtype, and out of the state dict: it is derived, not loaded.
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for each token, [T, 1, head_dim]: computed once per step and shared by every layer."""

@@ -11,10 +11,24 @@ from __future__ import annotations
 
 from torch import nn
 
+from liteinfer.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from liteinfer.models.llama import LlamaForCausalLM
+from liteinfer.models.mistral import MistralForCausalLM
+from liteinfer.models.phi3 import Phi3ForCausalLM
+from liteinfer.models.qwen2 import Qwen2ForCausalLM
+from liteinfer.models.qwen3 import Qwen3ForCausalLM
 
 _REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
+    model_cls.__name__: model_cls
+    for model_cls in (
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        LlamaForCausalLM,
+        MistralForCausalLM,
+        Phi3ForCausalLM,
+        Qwen2ForCausalLM,
+        Qwen3ForCausalLM,
+    )
 }
 
 

@@ -26,6 +26,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # GGUF architectures whose q/k rows llama.cpp's converter permutes for its interleaved rope (Mistral is
 # stored as "llama" too); other architectures keep the Hugging Face row order.
 _ROPE_PERMUTED_ARCHS = {"llama"}
+# GGUF architectures whose norm weights llama.cpp's converter stores as 1 + w (Gemma's norms scale by 1 + w).
+_NORM_PLUS_ONE_ARCHS = {"gemma2", "gemma3"}
+# GGUF architectures that keep the checkpoint's fused projections (qkv_proj, gate_up_proj) fused.
+_FUSED_PROJECTION_ARCHS = {"phi3"}
 
 Checkpoint = Iterable[tuple[str, torch.Tensor]]
 
@@ -79,6 +83,8 @@ def _iter_gguf(file: Path, config: PretrainedConfig) -> Iterator[tuple[str, torc
         if arch in _ROPE_PERMUTED_ARCHS and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
             weights = _undo_rope_permutation(weights, heads)
+        if arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
+            weights = weights - 1
         yield name, weights
 
 
@@ -93,22 +99,24 @@ def _gguf_to_hf_names(arch: str, config: PretrainedConfig) -> dict[str, str]:
         raise ValueError(f"GGUF architecture {arch!r} is unknown to the gguf package")
     table = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     names = {}
-    for hf_name in _checkpoint_names(config):
+    for hf_name in _checkpoint_names(config, unpack=arch not in _FUSED_PROJECTION_ARCHS):
         gguf_name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is not None:
             names[gguf_name] = hf_name
     return names
 
 
-def _checkpoint_names(config: PretrainedConfig) -> list[str]:
-    """The checkpoint tensor names our model for `config` loads, from a skeleton on the meta device (no memory)."""
+def _checkpoint_names(config: PretrainedConfig, unpack: bool = True) -> list[str]:
+    """The checkpoint tensor names our model for `config` loads, from a skeleton on the meta device (no memory):
+    packed parameters under the names of the tensors they pack, or with `unpack=False` under their own."""
     from liteinfer.models import get_model_class  # the registry imports the model files, which import layers
 
     model_cls = get_model_class(config.architectures)
     with torch.device("meta"):
         skeleton = model_cls(config)
+    packed = getattr(model_cls, "packed_modules_mapping", {}) if unpack else {}
     unpacked: dict[str, list[str]] = {}  # packed parameter -> the checkpoint tensors it holds
-    for checkpoint_name, (target, _) in getattr(model_cls, "packed_modules_mapping", {}).items():
+    for checkpoint_name, (target, _) in packed.items():
         unpacked.setdefault(target, []).append(checkpoint_name)
     names = []
     for name in skeleton.state_dict():
@@ -138,8 +146,9 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
     """Copy every checkpoint tensor into its parameter, converting dtype and device on the way.
 
     Packed parameters (see `packed_modules_mapping`) receive one shard per checkpoint tensor through the
-    parameter's `weight_loader`. Raises ValueError for tensors the model has no place for, shape mismatches
-    and parameters (or shards) the checkpoint never provided.
+    parameter's `weight_loader`, or the whole packed tensor where the checkpoint stores it fused (Phi-3). Raises
+    ValueError for tensors the model has no place for, shape mismatches and parameters (or shards) the checkpoint
+    never provided.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
@@ -169,7 +178,8 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
 
     missing = []
     for name, param in model.named_parameters():
-        absent = _expected_shards(name, packed) - loaded.get(id(param), set())
+        got = loaded.get(id(param), set())
+        absent = set() if None in got else _expected_shards(name, packed) - got
         if absent == {None}:
             missing.append(name)
         elif absent:

@@ -6,23 +6,20 @@ import shutil
 
 import pytest
 import torch
+from parity import (
+    BLOCK_SIZE,
+    GREEDY,
+    NUM_NEW,
+    PROMPTS,
+    all_blocks_free,
+    hf_greedy,
+    hf_logprobs,
+    one_torch_thread,  # noqa: F401 - an autouse fixture
+    prefill_logits,
+)
 
 from liteinfer import LLM, SamplingParams
-from liteinfer.engine.scheduler import ScheduledBatch
-from liteinfer.engine.sequence import Sequence
 
-NUM_NEW = 48  # greedy tokens compared with transformers
-BLOCK_SIZE = 16  # the engine default
-PROMPTS = [
-    "Hello",  # 1 token
-    "The capital of France is",  # 5 tokens
-    # 27 tokens: crosses a block boundary
-    "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole, filled with the ends of "
-    "worms",
-    # 47 tokens: with NUM_NEW it runs past the llama3 variant's original_max_position_embeddings (64)
-    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
-    "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was",
-]
 # Prompts of at most 16 tokens, so that with max_model_len=64 each can generate NUM_NEW.
 SHORT_PROMPTS = [
     "Hello",
@@ -34,40 +31,6 @@ SHORT_PROMPTS = [
     "1, 2, 3, 4, 5,",
     "The quick brown fox jumps over the lazy dog and then",
 ]
-GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # These models are tiny: with several threads, thread hand-offs cost far more than the maths (10-100x
-    # slower on a loaded machine). The results do not depend on it.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def all_blocks_free(llm: LLM) -> bool:
-    manager = llm.engine.block_manager
-    return manager.num_free_blocks == manager.num_blocks and not any(manager.ref_counts)
-
-
-def hf_greedy(hf_model, prompt_ids: list[int], num_new: int) -> list[int]:
-    input_ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = hf_model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            do_sample=False,
-            min_new_tokens=num_new,
-            max_new_tokens=num_new,
-        )
-    return out[0, len(prompt_ids) :].tolist()
-
-
-def hf_logprobs(hf_model, token_ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([token_ids])).logits[0].float().log_softmax(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -95,29 +58,11 @@ def reference(parity):
 def test_llama_forward_logits_match_transformers_fp32(parity):
     """One step prefilling two prompts of different lengths through the engine's model."""
     llm, hf_model = parity
-    engine = llm.engine
-    prompts = [engine.tokenizer.encode(PROMPTS[3]), engine.tokenizer.encode(PROMPTS[1])]
-    batch = ScheduledBatch()
-    for i, ids in enumerate(prompts):
-        seq = Sequence(f"logits-{i}", 0, list(ids), len(ids), SamplingParams(), 1, detokenizer=None)
-        assert engine.block_manager.allocate(seq.block_table, len(ids))
-        batch.add(seq, len(ids))
-    try:
-        order, input_ids, positions, meta, _ = engine.runner._prepare(batch)
-        assert order == [0, 1]
-        with torch.inference_mode():
-            model = engine.runner.model
-            logits = model.compute_logits(model(input_ids, positions, meta))
-    finally:
-        for seq in batch.seqs:
-            engine.block_manager.free(seq.block_table)
-    assert logits.shape == (sum(map(len, prompts)), hf_model.config.vocab_size)
-    start = 0
-    for ids in prompts:
+    prompts = [llm.tokenizer.encode(PROMPTS[3]), llm.tokenizer.encode(PROMPTS[1])]
+    for ids, logits in zip(prompts, prefill_logits(llm, prompts), strict=True):
         with torch.no_grad():
             expected = hf_model(torch.tensor([ids])).logits[0]
-        torch.testing.assert_close(logits[start : start + len(ids)], expected, atol=1e-4, rtol=0)
-        start += len(ids)
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
     assert all_blocks_free(llm)
 
 

@@ -1,0 +1,129 @@
+"""Checking the engine against transformers: prompts, reference generation and one-step logits, shared by the
+parity tests of every model family."""
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import transformers
+
+from liteinfer import LLM, SamplingParams
+from liteinfer.engine.scheduler import ScheduledBatch
+from liteinfer.engine.sequence import Sequence
+
+NUM_NEW = 48  # greedy tokens compared with transformers
+BLOCK_SIZE = 16  # the engine default
+PROMPTS = [
+    "Hello",  # 1 token
+    "The capital of France is",  # 5 tokens
+    # 27 tokens: crosses a block boundary
+    "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole, filled with the ends of "
+    "worms",
+    # 47 tokens: with NUM_NEW it runs past the llama3 variant's original_max_position_embeddings (64)
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+    "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Import into a test module to run it on one thread: the models are tiny, and thread hand-offs cost far more
+    than the maths (10-100x slower on a loaded machine). The results do not depend on it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def all_blocks_free(llm: LLM) -> bool:
+    manager = llm.engine.block_manager
+    return manager.num_free_blocks == manager.num_blocks and not any(manager.ref_counts)
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], num_new: int) -> list[int]:
+    input_ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = hf_model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            min_new_tokens=num_new,
+            max_new_tokens=num_new,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def hf_logprobs(hf_model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0].float().log_softmax(-1)
+
+
+def prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Every position's logits of each prompt, from one engine step that prefills them all together."""
+    engine = llm.engine
+    batch = ScheduledBatch()
+    for i, ids in enumerate(prompts):
+        seq = Sequence(f"logits-{i}", 0, list(ids), len(ids), SamplingParams(), 1, detokenizer=None)
+        assert engine.block_manager.allocate(seq.block_table, len(ids))
+        batch.add(seq, len(ids))
+    try:
+        order, input_ids, positions, meta, _ = engine.runner._prepare(batch)
+        assert order == list(range(len(prompts)))
+        with torch.inference_mode():
+            model = engine.runner.model
+            logits = model.compute_logits(model(input_ids, positions, meta))
+    finally:
+        for seq in batch.seqs:
+            engine.block_manager.free(seq.block_table)
+    assert logits.shape[0] == sum(map(len, prompts))
+    return list(logits.split([len(ids) for ids in prompts]))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A tiny model of one family: its transformers classes, the config options that switch its features on (on
+    top of COMMON), and the prompts it is checked on."""
+
+    architecture: str
+    config_class: str
+    options: dict
+    prompts: list[str] = field(default_factory=lambda: PROMPTS)
+
+
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+
+def make_tiny_model(directory, tokenizer, variant: Variant, seed: int = 0):
+    """Save a random-weight transformers model of `variant` with the SmolLM2 tokenizer; return it."""
+    config = getattr(transformers, variant.config_class)(
+        **{
+            "vocab_size": len(tokenizer),
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+            **COMMON,
+            **variant.options,
+        }
+    )
+    config.architectures = [variant.architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, variant.architecture)(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                # Peaked, trained-like logits, so that greedy choices are not near-ties (see make_tiny_llama).
+                param.normal_(0, 0.2)
+            else:
+                # Biases and norm weights off their initial zeros and ones, so that loading them is checked.
+                param.add_(torch.randn_like(param), alpha=0.1)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model
