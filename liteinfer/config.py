@@ -36,6 +36,11 @@ class EngineConfig:
     # queued in docs/roadmap.md and refused until they exist.
     enforce_eager: bool = True
     seed: int = 0
+    # Ranks the model is sharded over (Megatron-style, one process per rank on this host; see engine/workers.py).
+    tensor_parallel_size: int = 1
+    # Engine replicas, each of tensor_parallel_size ranks, run as Ray actors; requests go to the least loaded.
+    data_parallel_size: int = 1
+    ray_address: str | None = None  # the Ray cluster the replicas join; None starts a local one
 
     def __post_init__(self) -> None:
         def require(ok: bool, field: str, why: str) -> None:
@@ -67,6 +72,10 @@ class EngineConfig:
             require(isinstance(getattr(self, flag), bool), flag, "must be a bool")
         require(self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 1,
                 "long_prefill_token_threshold", "must be >= 1")
+        require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        require(self.data_parallel_size >= 1, "data_parallel_size", "must be >= 1")
+        require(self.ray_address is None or isinstance(self.ray_address, str), "ray_address",
+                "must be a Ray address string or None")
         require(self.enforce_eager is True, "enforce_eager",
                 "must be True: torch.compile / CUDA graphs are not implemented yet")
 

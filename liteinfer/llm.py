@@ -8,7 +8,7 @@ from collections.abc import Sequence as SequenceABC
 from tqdm.auto import tqdm
 
 from liteinfer.config import EngineConfig
-from liteinfer.engine import LLMEngine
+from liteinfer.engine.data_parallel import make_engine
 from liteinfer.engine.llm_engine import PromptType
 from liteinfer.engine.prompts import Message, check_all, pair_prompts, render_chat
 from liteinfer.outputs import RequestOutput
@@ -19,9 +19,19 @@ class LLM:
     """A thin facade over `LLMEngine`: submit every prompt, step until all are done, return in prompt order."""
 
     def __init__(self, model: str | None = None, **engine_options):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_options))
+        self.engine = make_engine(EngineConfig.from_kwargs(model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._request_ids = itertools.count()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes or replicas, if it has any (also done at interpreter exit)."""
+        self.engine.shutdown()
 
     def generate(
         self,

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from liteinfer.config import EngineConfig
-from liteinfer.engine.llm_engine import LLMEngine, PromptType
+from liteinfer.engine.data_parallel import make_engine
+from liteinfer.engine.llm_engine import EngineStats, PromptType
 from liteinfer.engine.prompts import Message, check_all, pair_prompts, render_chat
 from liteinfer.outputs import FinishReason, PositionLogprobs, RequestOutput
 from liteinfer.sampling import SamplingParams
@@ -54,15 +55,6 @@ class StreamEvent:
     error: str | None = None  # set when the request failed inside the engine
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """The engine's load as of its last step."""
-
-    num_running_seqs: int = 0
-    num_waiting_seqs: int = 0
-    kv_cache_usage: float = 0.0  # share of KV blocks in use, 0..1
-
-
 class AsyncLLM:
     """`async with AsyncLLM(model, **engine_options) as llm:` — `generate`, `stream`, `submit`, `abort`.
 
@@ -76,7 +68,7 @@ class AsyncLLM:
     ):
         if isinstance(max_waiting_seqs, bool) or not isinstance(max_waiting_seqs, int) or max_waiting_seqs < 1:
             raise ValueError(f"max_waiting_seqs must be an integer >= 1, got {max_waiting_seqs!r}")
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_options))
+        self.engine = make_engine(EngineConfig.from_kwargs(model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.max_waiting_seqs = max_waiting_seqs
@@ -261,7 +253,7 @@ class AsyncLLM:
         return outputs
 
     def _add_all(self, request_ids: list[str], requests: list[tuple[PromptType, SamplingParams]]) -> None:
-        waiting = len(self.engine.scheduler.waiting) + sum(params.n for _, params in requests)
+        waiting = self.engine.stats().num_waiting_seqs + sum(params.n for _, params in requests)
         if waiting > self.max_waiting_seqs:
             raise EngineOverloadedError(
                 f"the engine is overloaded: {waiting} sequences would wait, more than max_waiting_seqs="
@@ -280,8 +272,7 @@ class AsyncLLM:
         return [output for request_id in list(self.engine.requests) if (output := self._abort(request_id))]
 
     def _update_stats(self) -> None:
-        scheduler = self.engine.scheduler
-        self.stats = EngineStats(len(scheduler.running), len(scheduler.waiting), self.engine.block_manager.usage)
+        self.stats = self.engine.stats()
 
     # ----------------------------------------------------------------------------------------------------------
     # Back on the event loop

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from liteinfer.cache import BlockManager, KVCache
 from liteinfer.config import EngineConfig
+from liteinfer.distributed import TensorParallelGroup
 from liteinfer.engine.detokenizer import IncrementalDetokenizer
 from liteinfer.engine.model_runner import ModelRunner
 from liteinfer.engine.scheduler import Scheduler, StaticScheduler
 from liteinfer.engine.sequence import Request, Sequence
-from liteinfer.models import get_model_class
-from liteinfer.models.loader import build_model, iter_checkpoint
+from liteinfer.engine.workers import ShardSpec, WorkerPool
 from liteinfer.models.source import load_config, load_tokenizer, resolve_model
 from liteinfer.outputs import RequestMetrics, RequestOutput
 from liteinfer.sampling import Sampler, SamplerOutput, SamplingParams
@@ -27,8 +27,20 @@ logger = logging.getLogger(__name__)
 PromptType = str | dict[str, Any]
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's load as of its last step."""
+
+    num_running_seqs: int = 0
+    num_waiting_seqs: int = 0
+    kv_cache_usage: float = 0.0  # share of KV blocks in use, 0..1
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        if config.data_parallel_size > 1:
+            raise ValueError("an LLMEngine is one replica: data_parallel_size > 1 is for LLM and AsyncLLM, which "
+                             "start the replicas (engine/data_parallel.py)")
         self.config = config
         torch.manual_seed(config.seed)
         source = resolve_model(config.model)
@@ -46,9 +58,22 @@ class LLMEngine:
                 f"({self.max_model_len}) without chunked prefill, so that the longest prompt fits in one step"
             )
 
-        model_cls = get_model_class(self.hf_config.architectures)
-        model = build_model(model_cls, self.hf_config, self.dtype, self.device, iter_checkpoint(source, self.hf_config))
-        self.kv_cache = self._allocate_kv_cache()
+        # Rank 0 of tensor parallelism is this process; ranks 1..N-1 are worker processes (engine/workers.py).
+        spec = ShardSpec(source, self.hf_config, self.dtype, self.device.type, config.block_size,
+                         torch.get_num_threads())
+        self.tp, self.workers = TensorParallelGroup(), None
+        if config.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
+            self.device = spec.device(0)
+            self.workers, self.tp = WorkerPool.start(spec, config.tensor_parallel_size)
+        try:
+            model = spec.build_model(self.tp, self.device)
+            self.kv_cache = self._allocate_kv_cache(spec)
+            if self.workers is not None:
+                self.workers.allocate_kv_cache(self.kv_cache.num_blocks)
+        except BaseException:
+            self.shutdown()
+            raise
         self.kv_cache.bind(model)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         if config.scheduler == "static":
@@ -59,7 +84,7 @@ class LLMEngine:
                 config.enable_chunked_prefill, config.long_prefill_token_threshold,
             )
         self.eos_token_ids = self._eos_token_ids()
-        self.runner = ModelRunner(model, Sampler(self.eos_token_ids), config.block_size, self.device)
+        self.runner = ModelRunner(model, Sampler(self.eos_token_ids), config.block_size, self.device, self.workers)
         self.requests: dict[str, Request] = {}
 
     def _resolve_max_model_len(self) -> int:
@@ -70,11 +95,31 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({self.config.max_model_len}) exceeds the model's limit ({limit})")
         return self.config.max_model_len
 
-    def _allocate_kv_cache(self) -> KVCache:
-        cfg, hf = self.config, self.hf_config
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        shape = (hf.num_hidden_layers, cfg.block_size, hf.num_key_value_heads, head_dim)
-        block_bytes = KVCache.bytes_per_block(*shape, self.dtype)
+    def _check_tensor_parallel(self) -> None:
+        tp, hf = self.config.tensor_parallel_size, self.hf_config
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        if hf.num_attention_heads % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the number of attention heads "
+                             f"({hf.num_attention_heads})")
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the number of KV heads ({num_kv_heads}) "
+                             "or be a multiple of it (KV heads are then replicated)")
+        if hf.intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide intermediate_size ({hf.intermediate_size})")
+        if self.device.type == "cuda" and torch.cuda.device_count() < tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) needs as many CUDA devices; "
+                             f"{torch.cuda.device_count()} are visible")
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
+    def _allocate_kv_cache(self, spec: ShardSpec) -> KVCache:
+        """This rank's pool (its share of the KV heads); every rank gets the same number of blocks."""
+        cfg = self.config
+        num_layers, num_kv_heads, head_dim = spec.kv_cache_dims(self.tp)
+        block_bytes = KVCache.bytes_per_block(num_layers, cfg.block_size, num_kv_heads, head_dim, self.dtype)
         blocks_per_seq = -(-self.max_model_len // cfg.block_size)
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
@@ -92,8 +137,7 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} needs ({blocks_per_seq}); lower max_model_len or give the "
                 "cache more memory (kv_cache_memory_bytes / gpu_memory_utilization / num_kv_blocks)"
             )
-        return KVCache(hf.num_hidden_layers, num_blocks, cfg.block_size, hf.num_key_value_heads, head_dim,
-                       self.dtype, self.device)
+        return spec.kv_cache(self.tp, num_blocks, self.device)
 
     def _eos_token_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -183,6 +227,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        return EngineStats(len(scheduler.running), len(scheduler.waiting), self.block_manager.usage)
 
     # ----------------------------------------------------------------------------------------------------------
     # The loop

@@ -10,16 +10,23 @@ import torch
 from torch import nn
 
 from liteinfer.engine.scheduler import ScheduledBatch
+from liteinfer.engine.step_inputs import StepInputs
+from liteinfer.engine.workers import WorkerPool, run_step
 from liteinfer.layers import AttentionMetadata, PrefillSpan
 from liteinfer.sampling import Sampler, SamplerOutput, SamplingRow
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, sampler: Sampler, block_size: int, device: torch.device):
+    """Rank 0's runner. With tensor parallelism it sends each step's inputs to the other ranks (`workers`), which
+    run the same forward on their shards; the logits come back to rank 0 alone, and only rank 0 samples."""
+
+    def __init__(self, model: nn.Module, sampler: Sampler, block_size: int, device: torch.device,
+                 workers: WorkerPool | None = None):
         self.model = model
         self.sampler = sampler
         self.block_size = block_size
         self.device = device
+        self.workers = workers
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[int], SamplerOutput | None]:
@@ -28,12 +35,20 @@ class ModelRunner:
         A sequence samples when this step computes its last token (a prefill chunk that stops short of the end
         computes K/V only).
         """
-        order, input_ids, positions, meta, last_token = self._prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
+        order, input_ids, _, meta, last_token = self._prepare(batch)
         sampling = [(i, int(last)) for i, last in zip(order, last_token) if last >= 0]
+        sample_rows = torch.tensor([row for _, row in sampling], dtype=torch.long, device=self.device)
+        step = StepInputs(input_ids, meta, sample_rows)
+        try:
+            if self.workers is not None:
+                self.workers.send(step)
+            logits = run_step(self.model, step)
+        except RuntimeError as exc:  # a collective failed: if a worker died, say so rather than how it showed
+            if self.workers is not None:
+                self.workers.check(failed=exc)
+            raise
         if not sampling:
             return [], None
-        logits = self.model.compute_logits(hidden[[row for _, row in sampling]])
         seqs = [batch.seqs[i] for i, _ in sampling]
         rows = [SamplingRow(seq.params, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, seq.generator)
                 for seq in seqs]

@@ -135,7 +135,7 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 def _engine_options(args: argparse.Namespace) -> dict:
     options = dict(dtype=args.dtype, device=args.device)
-    for name in ("max_model_len", "max_num_seqs"):
+    for name in ("max_model_len", "max_num_seqs", "tensor_parallel_size", "data_parallel_size", "ray_address"):
         if getattr(args, name, None) is not None:  # unset: leave the engine's own default
             options[name] = getattr(args, name)
     return options
@@ -224,6 +224,12 @@ def _add_model_args(parser: argparse.ArgumentParser, default_dtype: str) -> None
     parser.add_argument("--dtype", default=default_dtype, choices=["auto", "float32", "bfloat16", "float16"],
                         help="weight and activation dtype (default: %(default)s)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="(default: auto)")
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int,
+                          help="shard the model over this many processes (CUDA: devices) on this host")
+    parallel.add_argument("--data-parallel-size", "-dp", type=int,
+                          help="run this many engine replicas as Ray actors (needs the `ray` extra)")
+    parallel.add_argument("--ray-address", help="the Ray cluster to join (default: start a local one)")
 
 
 if __name__ == "__main__":

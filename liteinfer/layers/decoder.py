@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from liteinfer.distributed import TensorParallelGroup
 from liteinfer.layers.activation import GatedActivation
 from liteinfer.layers.attention import AttentionMetadata, PagedAttention
-from liteinfer.layers.linear import Linear, PackedLinear
+from liteinfer.layers.linear import PackedLinear, RowParallelLinear, RowSlice
 from liteinfer.layers.norm import GemmaRMSNorm, RMSNorm
 from liteinfer.layers.rotary import apply_rotary
 
@@ -63,15 +64,21 @@ class DecoderSpec:
 
 
 class SelfAttention(nn.Module):
-    """Fused q/k/v projection, optional q/k norm, rotary, paged attention and the output projection."""
+    """Fused q/k/v projection, optional q/k norm, rotary, paged attention and the output projection.
 
-    def __init__(self, spec: DecoderSpec, sliding_window: int | None):
+    Under tensor parallelism each rank holds its share of the query heads and the KV heads they read (q/k/v
+    column-parallel, o row-parallel), and attends over them alone."""
+
+    def __init__(self, spec: DecoderSpec, sliding_window: int | None, tp: TensorParallelGroup):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = PackedLinear(spec.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=spec.qkv_bias)
-        self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_bias)
+        dim = self.head_dim = spec.head_dim
+        first_head, self.num_heads = tp.shard(spec.num_heads)
+        first_kv_head, self.num_kv_heads = tp.kv_head_range(spec.num_kv_heads)
+        q_rows = RowSlice(spec.num_heads * dim, first_head * dim, self.num_heads * dim)
+        kv_rows = RowSlice(spec.num_kv_heads * dim, first_kv_head * dim, self.num_kv_heads * dim)
+        self.split_sizes = [q_rows.size, kv_rows.size, kv_rows.size]
+        self.qkv_proj = PackedLinear(spec.hidden_size, {"q": q_rows, "k": kv_rows, "v": kv_rows}, bias=spec.qkv_bias)
+        self.o_proj = RowParallelLinear(q_rows.total, spec.hidden_size, bias=spec.o_bias, tp=tp)
         self.q_norm = spec.norm(self.head_dim) if spec.qk_norm else None
         self.k_norm = spec.norm(self.head_dim) if spec.qk_norm else None
         scale = spec.attn_scale or self.head_dim**-0.5
@@ -91,11 +98,11 @@ class SelfAttention(nn.Module):
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
-    def __init__(self, spec: DecoderSpec):
+    def __init__(self, spec: DecoderSpec, tp: TensorParallelGroup):
         super().__init__()
-        size = spec.intermediate_size
-        self.gate_up_proj = PackedLinear(spec.hidden_size, {0: size, 1: size}, bias=spec.mlp_bias)
-        self.down_proj = Linear(size, spec.hidden_size, bias=spec.mlp_bias)
+        rows = RowSlice(spec.intermediate_size, *tp.shard(spec.intermediate_size))
+        self.gate_up_proj = PackedLinear(spec.hidden_size, {0: rows, 1: rows}, bias=spec.mlp_bias)
+        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias, tp=tp)
         self.act = GatedActivation(spec.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,10 +110,10 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, layer_type: str):
+    def __init__(self, spec: DecoderSpec, layer_type: str, tp: TensorParallelGroup):
         super().__init__()
-        self.self_attn = SelfAttention(spec, spec.sliding_window if layer_type == SLIDING else None)
-        self.mlp = GatedMLP(spec)
+        self.self_attn = SelfAttention(spec, spec.sliding_window if layer_type == SLIDING else None, tp)
+        self.mlp = GatedMLP(spec, tp)
         self.input_layernorm = spec.norm(spec.hidden_size)
         # Without sandwich norms this is the norm before the MLP (the checkpoints' name for it).
         self.post_attention_layernorm = spec.norm(spec.hidden_size)

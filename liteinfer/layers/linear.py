@@ -1,10 +1,25 @@
-"""Linear layers whose weights come from one checkpoint tensor or from several packed together."""
+"""Linear layers, whole or sharded over tensor-parallel ranks (Megatron-style).
+
+A column-parallel layer (`PackedLinear`) holds a slice of W's rows, i.e. of the outputs: this rank's attention
+heads of q/k/v, its share of the MLP's gate/up. It needs no communication. A row-parallel layer
+(`RowParallelLinear`) holds the matching slice of W's columns, multiplies this rank's share of the activations and
+sums the partial outputs over the ranks (one all-reduce). Pairing them (q/k/v then o, gate/up then down) costs one
+all-reduce per pair. With one rank each is a plain linear.
+
+Loading: each parameter's `weight_loader(param, loaded, shard_id=None)` cuts this rank's slice out of the
+checkpoint tensor before copying it. `loaded` is a `torch.Tensor` or a lazy checkpoint tensor with the same
+`shape` / `narrow` (see models/loader.py), so only this rank's slice is ever read from the file.
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from liteinfer.distributed import TensorParallelGroup
 
 
 class Linear(nn.Module):
@@ -19,27 +34,73 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class PackedLinear(Linear):
-    """Several projections of the same input fused into one matmul (q/k/v, gate/up).
+class RowSlice(NamedTuple):
+    """The rows a rank holds of one projection: [start, start + size) of the checkpoint tensor's `total`."""
 
-    `shards` names each projection and its output width in order; the checkpoint's separate tensors are copied
-    into their row range by `weight_loader(param, tensor, shard_id)`, so one GEMM replaces several. A checkpoint
-    that stores the projections already fused in this order (Phi-3) loads whole, with shard_id None.
+    total: int
+    start: int
+    size: int
+
+    @classmethod
+    def whole(cls, total: int) -> RowSlice:
+        return cls(total, 0, total)
+
+
+class PackedLinear(Linear):
+    """Several projections of the same input fused into one matmul (q/k/v, gate/up); column-parallel.
+
+    `shards` names each projection and the rows of it this rank holds, in order; the checkpoint's separate tensors
+    are copied (this rank's rows only) into their range by `weight_loader(param, tensor, shard_id)`, so one GEMM
+    replaces several. A checkpoint that stores the projections already fused in this order (Phi-3) loads whole,
+    with shard_id None: each projection's rows are then cut out of the fused tensor.
     """
 
-    def __init__(self, input_size: int, shards: dict[str | int, int], bias: bool = False):
-        super().__init__(input_size, sum(shards.values()), bias)
-        self.shard_offsets: dict[str | int, tuple[int, int]] = {}
+    def __init__(self, input_size: int, shards: dict[str | int, RowSlice | int], bias: bool = False):
+        shards = {k: RowSlice.whole(s) if isinstance(s, int) else s for k, s in shards.items()}
+        super().__init__(input_size, sum(s.size for s in shards.values()), bias)
+        self.shards = shards
+        self.shard_offsets: dict[str | int, int] = {}  # where each projection's rows start in our parameter
         offset = 0
-        for shard_id, size in shards.items():
-            self.shard_offsets[shard_id] = (offset, size)
-            offset += size
+        for shard_id, rows in shards.items():
+            self.shard_offsets[shard_id] = offset
+            offset += rows.size
         for param in self.parameters():
             param.weight_loader = self.load_shard
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        target = param.data if shard_id is None else param.data.narrow(0, *self.shard_offsets[shard_id])
-        if target.shape != loaded.shape:
+    def load_shard(self, param: nn.Parameter, loaded, shard_id: str | int | None = None) -> None:
+        shard_ids = list(self.shards) if shard_id is None else [shard_id]
+        expected = (sum(self.shards[i].total for i in shard_ids), *param.shape[1:])
+        if tuple(loaded.shape) != expected:
             what = "fused tensor" if shard_id is None else f"shard {shard_id!r}"
-            raise ValueError(f"{what}: expected shape {tuple(target.shape)}, got {tuple(loaded.shape)}")
-        target.copy_(loaded)
+            raise ValueError(f"{what}: expected shape {expected}, got {tuple(loaded.shape)}")
+        offset = 0  # where this projection starts in `loaded`
+        for i in shard_ids:
+            rows = self.shards[i]
+            target = param.data.narrow(0, self.shard_offsets[i], rows.size)
+            target.copy_(loaded.narrow(0, offset + rows.start, rows.size))
+            offset += rows.total
+
+
+class RowParallelLinear(Linear):
+    """y = sum over ranks of x_r W_r^T, + b: this rank holds W's columns for its share of the input features (the
+    output of a column-parallel layer), and the bias is added once, after the sum."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp: TensorParallelGroup | None = None):
+        self.tp = tp or TensorParallelGroup()
+        self.input_start, local_input = self.tp.shard(input_size)
+        super().__init__(local_input, output_size, bias)
+        self.input_size = input_size
+        self.weight.weight_loader = self.load_weight
+
+    def load_weight(self, param: nn.Parameter, loaded) -> None:
+        expected = (param.shape[0], self.input_size)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"expected shape {expected}, got {tuple(loaded.shape)}")
+        param.data.copy_(loaded.narrow(1, self.input_start, param.shape[1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

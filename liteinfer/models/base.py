@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from liteinfer.distributed import TensorParallelGroup
 from liteinfer.layers import (
     FULL,
     SLIDING,
@@ -50,11 +51,11 @@ def spec_from_config(config: PretrainedConfig, **family) -> DecoderSpec:
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: DecoderSpec):
+    def __init__(self, spec: DecoderSpec, tp: TensorParallelGroup):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, tp)
         self.embed_scale = spec.embed_scale
-        self.layers = nn.ModuleList(DecoderLayer(spec, layer_type) for layer_type in spec.layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(spec, layer_type, tp) for layer_type in spec.layer_types)
         self.layer_types = spec.layer_types
         self.norm = spec.norm(spec.hidden_size)
         self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.max_position, *spec.rope)
@@ -90,13 +91,14 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallelGroup | None = None):
         super().__init__()
         self.config = config
         spec = self.spec(config)
-        self.model = DecoderModel(spec)
+        tp = tp or TensorParallelGroup()
+        self.model = DecoderModel(spec, tp)
         tied = self.model.embed_tokens if spec.tie_word_embeddings else None
-        self.lm_head = LMHead(spec.vocab_size, spec.hidden_size, tied_to=tied)
+        self.lm_head = LMHead(spec.vocab_size, spec.hidden_size, tied_to=tied, tp=tp)
         self.final_softcap = spec.final_softcap
 
     @staticmethod
@@ -107,8 +109,9 @@ class DecoderForCausalLM(nn.Module):
         """Final hidden states of every token; logits are computed only where a token is sampled."""
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of the given rows; None on tensor-parallel ranks other than 0 (they only send theirs)."""
         logits = self.lm_head(hidden)
-        if self.final_softcap is not None:
+        if logits is not None and self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

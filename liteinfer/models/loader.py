@@ -17,6 +17,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
+from liteinfer.distributed import TensorParallelGroup
+
 if TYPE_CHECKING:
     from liteinfer.models.source import ModelSource
 
@@ -31,7 +33,7 @@ _NORM_PLUS_ONE_ARCHS = {"gemma2", "gemma3"}
 # GGUF architectures that keep the checkpoint's fused projections (qkv_proj, gate_up_proj) fused.
 _FUSED_PROJECTION_ARCHS = {"phi3"}
 
-Checkpoint = Iterable[tuple[str, torch.Tensor]]
+Checkpoint = Iterable[tuple[str, "torch.Tensor | LazyTensor"]]  # see iter_checkpoint
 
 
 def safetensors_files(directory: Path) -> list[Path]:
@@ -51,20 +53,45 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(source: ModelSource, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, tensor) one at a time; GGUF tensors come dequantized to float32."""
+def iter_checkpoint(
+    source: ModelSource, config: PretrainedConfig, lazy: bool = False
+) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+    """Yield (Hugging Face name, tensor) one at a time; GGUF tensors come dequantized to float32.
+
+    With `lazy`, safetensors tensors come as `LazyTensor`s, read only as far as the weight loaders slice them
+    (what tensor-parallel ranks load through); a GGUF file is dequantized whole either way, but the engine only
+    meets GGUF files converted to safetensors (models/source.py).
+    """
     if source.gguf_file is not None:
         return _iter_gguf(source.path / source.gguf_file, config)
-    return _iter_safetensors(safetensors_files(source.path))
+    return _iter_safetensors(safetensors_files(source.path), lazy)
 
 
-def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+class LazyTensor:
+    """A checkpoint tensor not read yet: `shape`, and `narrow` / `[...]` read only what they select.
+
+    The parameters' weight loaders take a slice (a tensor-parallel rank's rows or columns) through the same
+    `narrow` a `torch.Tensor` has, so a rank never holds more of a tensor than its own share."""
+
+    def __init__(self, tensor_slice):  # a safetensors slice (safe_open(...).get_slice(name))
+        self._slice = tensor_slice
+        self.shape = torch.Size(tensor_slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._slice[index]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._slice[index]
+
+
+def _iter_safetensors(files: list[Path], lazy: bool) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
     for file in files:
         try:
             # safe_open memory-maps the file: a tensor is read only when asked for.
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
-                    yield name, f.get_tensor(name)
+                    yield name, LazyTensor(f.get_slice(name)) if lazy else f.get_tensor(name)
         except SafetensorError as e:
             raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
 
@@ -207,10 +234,10 @@ def _expected_shards(param_name: str, packed: dict[str, tuple[str, str | int]]) 
     return shards or {None}
 
 
-def _copy_whole(param: nn.Parameter, tensor: torch.Tensor) -> None:
+def _copy_whole(param: nn.Parameter, tensor: torch.Tensor | LazyTensor) -> None:
     if param.shape != tensor.shape:
         raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
-    param.data.copy_(tensor)
+    param.data.copy_(tensor[...])
 
 
 def build_model(
@@ -219,17 +246,19 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     checkpoint: Checkpoint,
+    tp: TensorParallelGroup | None = None,
 ) -> nn.Module:
-    """Allocate the model directly on `device` in `dtype`, then stream the checkpoint into it.
+    """Allocate the model (this tensor-parallel rank's shard of it) directly on `device` in `dtype`, then stream
+    the checkpoint into it.
 
     Parameters are created empty where they will live, so there is never a second full copy of the weights
-    (no CPU staging copy, no float32 copy of a bfloat16 model).
+    (no CPU staging copy, no float32 copy of a bfloat16 model), and a rank reads only its slices.
     """
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(config)
+            model = model_cls(config) if tp is None else model_cls(config, tp)
     finally:
         torch.set_default_dtype(default_dtype)
     load_weights(model, checkpoint)
