@@ -37,6 +37,7 @@ from transformers import PretrainedConfig
 from liteinfer.cache import KVCache
 from liteinfer.distributed import TensorParallelGroup
 from liteinfer.engine.step_inputs import StepInputs
+from liteinfer.layers.linear import prepack_linears
 from liteinfer.models import get_model_class
 from liteinfer.models.loader import build_model, iter_checkpoint
 from liteinfer.models.source import ModelSource
@@ -44,6 +45,8 @@ from liteinfer.models.source import ModelSource
 # Connecting to the store; the workers' start-up (imports) happens before they connect, so this is generous.
 _STORE_TIMEOUT = timedelta(minutes=5)
 _STOP_GRACE_S = 10.0  # how long a worker gets to leave on its own before it is terminated
+# oneDNN picks the prepacked weight layout for about this many rows per GEMM: a full decode batch.
+PREPACK_BATCH_HINT = 32
 
 
 class WorkerError(RuntimeError):
@@ -67,7 +70,9 @@ class ShardSpec:
     def build_model(self, tp: TensorParallelGroup, device: torch.device) -> nn.Module:
         model_cls = get_model_class(self.hf_config.architectures)
         checkpoint = iter_checkpoint(self.source, self.hf_config, lazy=True)
-        return build_model(model_cls, self.hf_config, self.dtype, device, checkpoint, tp)
+        model = build_model(model_cls, self.hf_config, self.dtype, device, checkpoint, tp)
+        prepack_linears(model, PREPACK_BATCH_HINT)
+        return model
 
     def kv_cache_dims(self, tp: TensorParallelGroup) -> tuple[int, int, int]:
         """(layers, this rank's KV heads, head dim) of the pool."""
