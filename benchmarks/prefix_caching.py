@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import time
-from pathlib import Path
 
+from benchmarks.metrics import percentile
+from benchmarks.record import provenance, result_stem
 from liteinfer import LLM, SamplingParams
 
 QUESTIONS = [
@@ -32,10 +31,6 @@ def system_prompt(llm: LLM, num_tokens: int) -> str:
         rules.append(f"Rule {len(rules) + 1}: answer politely, briefly and accurately, and cite the facts you use.")
         text = " ".join(rules)
     return text
-
-
-def percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
 def run(model: str, dtype: str, caching: bool, num_requests: int, prefix_tokens: int, max_tokens: int) -> dict:
@@ -76,16 +71,12 @@ def main() -> None:
                for caching in (False, True)]
     # In bf16 the two paths may round differently and flip near-tie tokens; the tests prove equality in fp32.
     same_tokens = sum(a == b for a, b in zip(results[0].pop("tokens"), results[1].pop("tokens")))
-    revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    record = {"workload": vars(args), "revision": revision, "machine": platform.platform(),
-              "date": time.strftime("%Y-%m-%d"), "same_greedy_tokens": same_tokens, "results": results}
-    out_dir = Path(__file__).parent / "results"
-    out_dir.mkdir(exist_ok=True)
-    (out_dir / f"prefix_caching-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(json.dumps(record, indent=2))
+    record = {"workload": vars(args), **provenance(), "same_greedy_tokens": same_tokens, "results": results}
+    result_stem("prefix_caching").with_suffix(".json").write_text(json.dumps(record, indent=2))
 
     print(f"{args.requests} requests, ~{results[0]['prompt_tokens']:.0f}-token prompts sharing a "
           f"{args.prefix_tokens}-token system prompt, {args.max_tokens} output tokens each, {args.dtype}; "
-          f"revision {revision}; identical greedy outputs: {same_tokens}/{args.requests}\n")
+          f"revision {record['revision']}; identical greedy outputs: {same_tokens}/{args.requests}\n")
     print("| prefix caching | cached tokens / request | TTFT p50 | TTFT p99 | total | output tok/s |")
     print("|---|---|---|---|---|---|")
     for r in results:

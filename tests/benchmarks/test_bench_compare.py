@@ -1,0 +1,57 @@
+"""`python -m benchmarks.compare` end to end on a tiny model: liteinfer and transformers, each in its process."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+ROW_METRICS = {"duration_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "ttft_p50_ms",
+               "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "peak_memory_mib"}
+
+
+def test_compare_smoke_run(tiny_llama_dir, tmp_path):
+    command = [sys.executable, "-m", "benchmarks.compare", "--model", str(tiny_llama_dir),
+               "--engines", "liteinfer:fp32,transformers:fp32:1,vllm:bf16", "--workloads", "throughput",
+               "--num-prompts", "2", "--output-len", "4", "--compare", "transformers-fp32-1",
+               "--output-dir", str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+    [json_path] = tmp_path.glob("compare-*.json")
+    assert json_path.with_suffix(".html").read_text().startswith("<!doctype html>")
+    assert json_path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    record = json.loads(json_path.read_text())
+    assert {"date", "revision", "dirty", "machine", "command", "model", "params", "workloads", "rows"} <= set(record)
+    assert {"cpu", "cores", "memory_gib"} <= set(record["machine"])
+    workload_hash = record["workloads"]["throughput"]["hash"]
+    rows = {row["engine"]: row for row in record["rows"]}
+    for name in ("liteinfer-fp32", "transformers-fp32-1"):
+        row = rows[name]
+        assert row["status"] == "ok" and row["workload_hash"] == workload_hash
+        assert set(row["metrics"]) == ROW_METRICS and row["metrics"]["output_tokens_per_s"] > 0
+        assert row["memory"] == "rss" and row["timing"]
+        assert [len(r["token_ids"]) for r in row["requests"]] == [4, 4]
+    # Same weights, fp32, greedy: the two engines agree token for token.
+    assert rows["liteinfer-fp32"]["same_outputs_as_baseline"] == 2
+    assert rows["transformers-fp32-1"]["vs_baseline"]["output_tokens_per_s"] == 1.0
+    if rows["vllm-bf16"]["status"] == "skipped":
+        assert "not installed" in rows["vllm-bf16"]["error"]
+    assert "| liteinfer-fp32 |" in done.stdout
+
+
+@pytest.mark.slow
+def test_llamacpp_fp32_computes_the_same_tokens_as_liteinfer(tmp_path):
+    """The re-encoded fp32 GGUF and the batched low-level decode loop give liteinfer's greedy tokens (real model)."""
+    pytest.importorskip("llama_cpp", reason="llama.cpp is optional: pip install -e '.[bench]'")
+    command = [sys.executable, "-m", "benchmarks.compare", "--engines", "liteinfer:fp32,llamacpp:fp32",
+               "--workloads", "throughput", "--num-prompts", "3", "--output-len", "8", "--compare", "liteinfer-fp32",
+               "--warmup-rounds", "0", "--output-dir", str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    [json_path] = tmp_path.glob("compare-*.json")
+    rows = {row["engine"]: row for row in json.loads(json_path.read_text())["rows"]}
+    assert rows["llamacpp-fp32"]["same_outputs_as_baseline"] == 3

@@ -1,0 +1,137 @@
+"""Metrics math, output-length verification, engine specs and the --compare report, without any engine."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# benchmarks/ sits at the repository root and is not installed with liteinfer: `python -m pytest` finds it through
+# the working directory, `pytest` alone does not. (A conftest.py here would shadow tests/conftest.py's helpers.)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks import compare  # noqa: E402
+from benchmarks.metrics import (  # noqa: E402
+    OutputLengthError,
+    PeakMemory,
+    RequestTrace,
+    check_output_lengths,
+    percentile,
+    ratios,
+    summarize,
+)
+from benchmarks.runners.base import EngineRunner, EngineSpec, unavailable  # noqa: E402
+from benchmarks.workloads import BenchRequest, Workload  # noqa: E402
+
+
+def test_percentile_interpolates_between_closest_ranks():
+    values = [float(v) for v in range(1, 101)]  # 1..100
+    assert percentile(values, 50) == pytest.approx(50.5)
+    assert percentile(values, 99) == pytest.approx(99.01)
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+
+
+def test_summary_of_hand_made_traces():
+    workload = Workload("w", [BenchRequest([1, 2, 3], 3), BenchRequest([4], 3)], one_at_a_time=False)
+    traces = [
+        RequestTrace(submitted=10.0, token_times=[10.5, 10.6, 10.8], token_ids=[7, 8, 9]),
+        RequestTrace(submitted=10.0, token_times=[11.0, 11.1, 12.0], token_ids=[7, 8, 9]),
+    ]
+    s = summarize(workload, traces)
+    assert s.duration_s == pytest.approx(2.0)
+    assert s.requests_per_s == pytest.approx(1.0)
+    assert s.output_tokens_per_s == pytest.approx(3.0)
+    assert s.total_tokens_per_s == pytest.approx(5.0)  # (4 prompt + 6 output) / 2 s
+    assert s.ttft_p50_ms == pytest.approx(750.0)
+    assert s.ttft_p99_ms == pytest.approx(500 + 500 * 0.99)
+    assert s.itl_p50_ms == pytest.approx(150.0)  # gaps 100, 200, 100, 900 ms
+    assert s.itl_p99_ms == pytest.approx(percentile([100, 200, 100, 900], 99))
+    assert s.e2e_p50_ms == pytest.approx(1400.0)
+
+
+def test_wrong_output_lengths_fail_loudly():
+    workload = Workload("w", [BenchRequest([1], 2), BenchRequest([1], 2)], one_at_a_time=False)
+    good = RequestTrace(0.0, [1.0, 2.0], [5, 6])
+    check_output_lengths(workload, [good, good])
+    with pytest.raises(OutputLengthError, match="request 1: 1 tokens"):
+        check_output_lengths(workload, [good, RequestTrace(0.0, [1.0], [5])])
+    with pytest.raises(OutputLengthError, match="1 results for 2 requests"):
+        check_output_lengths(workload, [good])
+    with pytest.raises(OutputLengthError, match="1 timestamps"):  # tokens without their timestamps
+        check_output_lengths(workload, [good, RequestTrace(0.0, [1.0], [5, 6])])
+
+
+class ShortRunner(EngineRunner):
+    """Pretends to be an engine that stops one token early."""
+
+    def start(self):
+        pass
+
+    def run(self, requests):
+        return [RequestTrace(0.0, [1.0] * (r.output_len - 1), [0] * (r.output_len - 1)) for r in requests]
+
+
+def test_an_engine_that_returns_the_wrong_length_fails_its_row(monkeypatch):
+    monkeypatch.setattr(compare, "runner_class", lambda engine: ShortRunner)
+    workload = Workload("w", [BenchRequest([1, 2], 4)], one_at_a_time=True)
+    with pytest.raises(OutputLengthError):
+        compare.measure(EngineSpec.parse("liteinfer:fp32"), "model", 1, workload, workload, rounds=1)
+
+
+def test_ratios_divide_by_the_baseline():
+    assert ratios({"a": 3.0, "b": 1.0}, {"a": 1.5, "b": 0.0}) == {"a": 2.0, "b": None}
+
+
+def test_engine_spec_parsing():
+    spec = EngineSpec.parse("transformers:bfloat16:32")
+    assert (spec.engine, spec.precision, spec.options, spec.name) == ("transformers", "bf16", {"batch": 32},
+                                                                      "transformers-bfloat16-32")
+    spec = EngineSpec.parse("liteinfer:f32:scheduler=static:max_num_seqs=8:enable_prefix_caching=false")
+    assert spec.precision == "fp32"
+    assert spec.options == {"scheduler": "static", "max_num_seqs": 8, "enable_prefix_caching": False}
+    assert EngineSpec.parse("llamacpp:Q4_1").precision == "q4_1"
+    with pytest.raises(ValueError, match="unknown engine"):
+        EngineSpec.parse("tgi:bf16")
+    with pytest.raises(ValueError, match="neither a batch width nor key=value"):
+        EngineSpec.parse("liteinfer:bf16:fast")
+    with pytest.raises(ValueError, match="names no precision"):
+        EngineSpec.parse("liteinfer")
+
+
+def test_missing_optional_engine_is_skipped_with_a_reason(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    assert "vllm skipped: vllm is not installed" in unavailable("vllm")
+    assert unavailable("liteinfer") is None
+
+
+def test_peak_memory_sees_an_allocation():
+    with PeakMemory("cpu") as before:
+        pass
+    with PeakMemory("cpu") as peak:
+        block = np.ones(64 * 2**20, dtype=np.uint8)  # 64 MiB, touched
+        block.sum()
+        del block
+    assert peak.kind == "rss" and peak.mib >= before.mib + 48
+
+
+def _row(engine, workload, tok_s, tokens):
+    metrics = {"requests_per_s": 1.0, "output_tokens_per_s": tok_s, "total_tokens_per_s": 2 * tok_s,
+               "ttft_p50_ms": 10.0, "ttft_p99_ms": 20.0, "itl_p50_ms": 5.0, "itl_p99_ms": 6.0, "e2e_p50_ms": 50.0,
+               "e2e_p99_ms": 60.0, "duration_s": 1.0, "peak_memory_mib": 100.0}
+    return {"engine": engine, "workload": workload, "status": "ok", "metrics": metrics,
+            "requests": [{"token_ids": t} for t in tokens]}
+
+
+def test_compare_report_has_ratios_and_output_agreement():
+    rows = [_row("base", "throughput", 100.0, [[1, 2], [3, 4]]), _row("fast", "throughput", 250.0, [[1, 2], [3, 5]]),
+            {"engine": "gone", "workload": "throughput", "status": "skipped", "error": "gone is not installed"}]
+    compare.add_ratios(rows, "base")
+    assert rows[1]["vs_baseline"]["output_tokens_per_s"] == pytest.approx(2.5)
+    assert rows[1]["same_outputs_as_baseline"] == 1
+    record = {"date": "today", "revision": "abc", "dirty": False, "threads": 2, "model": "m", "baseline": "base",
+              "machine": {"cpu": "cpu", "cores": 2},
+              "workloads": {"throughput": {"description": "throughput: 2 requests", "hash": "h"}}, "rows": rows}
+    text = compare.report(record)
+    assert "| fast | 1.00 | 250.0 | 500.0 | 10 / 20 | 5.0 / 6.0 | 50 / 60 | 100 | 2.50 |" in text
+    assert text.count("| 1/2 |") == 1 and "| gone | skipped: gone is not installed |" in text
