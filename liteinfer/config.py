@@ -28,6 +28,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 2 << 30  # CPU: bytes given to the KV cache
     scheduler: Literal["continuous", "static"] = "continuous"
     enable_prefix_caching: bool = True
+    quantization: Literal["int8", "int4"] | None = None  # weight-only, CPU (layers/quantization.py)
     enable_chunked_prefill: bool = True  # continuous scheduler only
     # With chunked prefill, the most tokens a prefill in progress takes per step while others wait.
     # None = a quarter of max_num_batched_tokens.
@@ -68,6 +69,9 @@ class EngineConfig:
                 "gpu_memory_utilization", "must be in (0, 1]")
         require(self.kv_cache_memory_bytes >= 1, "kv_cache_memory_bytes", "must be >= 1")
         require(self.scheduler in ("continuous", "static"), "scheduler", "must be continuous or static")
+        require(self.quantization in (None, "int8", "int4"), "quantization", "must be None, int8 or int4")
+        require(self.quantization is None or self.device != "cuda", "quantization",
+                "runs on PyTorch's CPU kernels: it needs device='cpu'")
         for flag in ("enable_prefix_caching", "enable_chunked_prefill"):
             require(isinstance(getattr(self, flag), bool), flag, "must be a bool")
         require(self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 1,

@@ -47,6 +47,8 @@ class LLMEngine:
         self.hf_config = load_config(source)
         self.tokenizer = load_tokenizer(source)
         self.device = config.torch_device()
+        if config.quantization is not None and self.device.type != "cpu":  # device="auto" found a GPU
+            raise ValueError(f"quantization={config.quantization!r} runs on PyTorch's CPU kernels; use device='cpu'")
         self.dtype = config.torch_dtype(getattr(self.hf_config, "dtype", None))
         self.max_model_len = self._resolve_max_model_len()
         max_num_batched_tokens = config.max_num_batched_tokens or (
@@ -60,7 +62,7 @@ class LLMEngine:
 
         # Rank 0 of tensor parallelism is this process; ranks 1..N-1 are worker processes (engine/workers.py).
         spec = ShardSpec(source, self.hf_config, self.dtype, self.device.type, config.block_size,
-                         torch.get_num_threads())
+                         torch.get_num_threads(), config.quantization)
         self.tp, self.workers = TensorParallelGroup(), None
         if config.tensor_parallel_size > 1:
             self._check_tensor_parallel()

@@ -38,6 +38,7 @@ from liteinfer.cache import KVCache
 from liteinfer.distributed import TensorParallelGroup
 from liteinfer.engine.step_inputs import StepInputs
 from liteinfer.layers.linear import prepack_linears
+from liteinfer.layers.quantization import quantize_linears
 from liteinfer.models import get_model_class
 from liteinfer.models.loader import build_model, iter_checkpoint
 from liteinfer.models.source import ModelSource
@@ -63,6 +64,7 @@ class ShardSpec:
     device_type: str  # cpu | cuda; rank r of a CUDA engine uses cuda:r
     block_size: int
     num_threads: int  # torch CPU threads per rank, as rank 0 has them
+    quantization: str | None = None  # int8 | int4 weight-only, see layers/quantization.py
 
     def device(self, rank: int) -> torch.device:
         return torch.device("cuda", rank) if self.device_type == "cuda" else torch.device("cpu")
@@ -71,7 +73,9 @@ class ShardSpec:
         model_cls = get_model_class(self.hf_config.architectures)
         checkpoint = iter_checkpoint(self.source, self.hf_config, lazy=True)
         model = build_model(model_cls, self.hf_config, self.dtype, device, checkpoint, tp)
-        prepack_linears(model, PREPACK_BATCH_HINT)
+        if self.quantization is not None:
+            quantize_linears(model, self.quantization)
+        prepack_linears(model, PREPACK_BATCH_HINT)  # what quantization left in floats
         return model
 
     def kv_cache_dims(self, tp: TensorParallelGroup) -> tuple[int, int, int]:

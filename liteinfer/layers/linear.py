@@ -13,6 +13,7 @@ checkpoint tensor before copying it. `loaded` is a `torch.Tensor` or a lazy chec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -23,17 +24,22 @@ from liteinfer.distributed import TensorParallelGroup
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), with W stored [out, in] as in Hugging Face checkpoints (until `prepack`)."""
+    """y = x W^T (+ b), with W stored [out, in] as in Hugging Face checkpoints (until `prepack` or quantization)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        # Set by layers/quantization.py once the weights are loaded: then it holds W, and `weight` is None.
+        self.quantized: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quantized is not None:
+            y = self.quantized(x)
+            return y if bias is None else y + bias
         if self.weight.is_mkldnn:  # prepacked
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
@@ -54,7 +60,7 @@ def prepack_linears(model: nn.Module, batch_size: int) -> None:
         return
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if (isinstance(module, Linear) and weight.device.type == "cpu"
+        if (isinstance(module, Linear) and weight is not None and weight.device.type == "cpu"
                 and weight.dtype in (torch.float32, torch.bfloat16)):
             module.prepack(batch_size)
 

@@ -1,0 +1,94 @@
+"""Weight-only quantization of the linear layers, for the CPU: int8 per output channel, or int4 in groups.
+
+Weights are quantized once loaded, from the loaded float weights (no calibration data); activations keep the
+model's dtype, and PyTorch's packed CPU kernels multiply them by the quantized weights directly. At batch 1 a
+decode step streams every weight from memory once, so fewer bytes per weight is fewer milliseconds per token;
+large batches are bound by arithmetic instead, where these kernels gain nothing (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from liteinfer.layers.linear import Linear
+
+INT4_GROUP_SIZE = 64  # 128 would not divide SmolLM2's hidden size of 576
+_INT4_INNER_K_TILES = 2  # the packing's tile parameter: K must be a multiple of 16 * this
+
+
+@dataclass
+class Int8Weight:
+    """W ≈ q * scale per output row, q in [-127, 127]."""
+
+    q: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out], in the activations' dtype
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> Int8Weight:
+        w = weight.float()
+        scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q, scales.to(weight.dtype))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scales.float()[:, None]
+
+
+@dataclass
+class Int4Weight:
+    """W ≈ (q - 8) * scale + zero per group of INT4_GROUP_SIZE inputs, q in [0, 15] (asymmetric: min..max)."""
+
+    packed: torch.Tensor  # q in the CPU kernel's packed layout
+    scales_and_zeros: torch.Tensor  # [in / group, out, 2], in the activations' dtype
+    q: torch.Tensor  # [out, in] int32 levels, kept only to dequantize in tests
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        return weight.shape[1] % INT4_GROUP_SIZE == 0 and weight.shape[1] % (16 * _INT4_INNER_K_TILES) == 0
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> Int4Weight:
+        out_features, in_features = weight.shape
+        groups = weight.float().view(out_features, in_features // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scales = ((high - low) / 15).clamp(min=1e-8)
+        q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
+        q = q.view(out_features, in_features)
+        zeros = low + 8 * scales  # the kernel computes (q - 8) * scale + zero
+        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INT4_INNER_K_TILES)
+        return cls(packed, scales_and_zeros, q)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP_SIZE, self.scales_and_zeros)
+
+    def dequantize(self) -> torch.Tensor:
+        scales, zeros = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [out, groups] each
+        out_features, in_features = self.q.shape
+        groups = self.q.view(out_features, -1, INT4_GROUP_SIZE).float()
+        return ((groups - 8) * scales[..., None] + zeros[..., None]).view(out_features, in_features)
+
+
+QUANTIZATION_METHODS = {"int8": Int8Weight, "int4": Int4Weight}
+
+
+def quantize_linears(model: nn.Module, method: str) -> int:
+    """Replace every loaded `Linear`'s float weight by its quantized form; returns how many were quantized.
+
+    A layer whose shape the int4 kernel cannot take keeps its float weight. The LM head and the embeddings are not
+    `Linear`s and stay in the model's dtype.
+    """
+    weight_cls = QUANTIZATION_METHODS[method]
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and (weight_cls is not Int4Weight or Int4Weight.fits(module.weight)):
+            module.quantized = weight_cls.from_float(module.weight.data)
+            module.weight = None  # the float copy is not needed any more
+            count += 1
+    return count
