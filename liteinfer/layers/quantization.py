@@ -36,8 +36,11 @@ class Int8Weight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
 
-    def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scales.float()[:, None]
+    @classmethod
+    def dequantize_float(cls, weight: torch.Tensor) -> torch.Tensor:
+        """The weight `from_float(weight)` stands for."""
+        quantized = cls.from_float(weight)
+        return quantized.q.float() * quantized.scales.float()[:, None]
 
 
 @dataclass
@@ -46,33 +49,36 @@ class Int4Weight:
 
     packed: torch.Tensor  # q in the CPU kernel's packed layout
     scales_and_zeros: torch.Tensor  # [in / group, out, 2], in the activations' dtype
-    q: torch.Tensor  # [out, in] int32 levels, kept only to dequantize in tests
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
         return weight.shape[1] % INT4_GROUP_SIZE == 0 and weight.shape[1] % (16 * _INT4_INNER_K_TILES) == 0
 
-    @classmethod
-    def from_float(cls, weight: torch.Tensor) -> Int4Weight:
+    @staticmethod
+    def levels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [out, in] int32 in 0..15, scale, zero [out, in / group]) such that W ≈ (q - 8) * scale + zero."""
         out_features, in_features = weight.shape
         groups = weight.float().view(out_features, in_features // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
         scales = ((high - low) / 15).clamp(min=1e-8)
         q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
-        q = q.view(out_features, in_features)
-        zeros = low + 8 * scales  # the kernel computes (q - 8) * scale + zero
+        return q.view(out_features, in_features), scales, low + 8 * scales
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> Int4Weight:
+        q, scales, zeros = cls.levels(weight)
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INT4_INNER_K_TILES)
-        return cls(packed, scales_and_zeros, q)
+        return cls(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INT4_INNER_K_TILES), scales_and_zeros)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP_SIZE, self.scales_and_zeros)
 
-    def dequantize(self) -> torch.Tensor:
-        scales, zeros = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [out, groups] each
-        out_features, in_features = self.q.shape
-        groups = self.q.view(out_features, -1, INT4_GROUP_SIZE).float()
-        return ((groups - 8) * scales[..., None] + zeros[..., None]).view(out_features, in_features)
+    @classmethod
+    def dequantize_float(cls, weight: torch.Tensor) -> torch.Tensor:
+        """The weight `from_float(weight)` stands for (the packed form cannot be read back)."""
+        q, scales, zeros = cls.levels(weight)
+        groups = q.view(q.shape[0], -1, INT4_GROUP_SIZE).float()
+        return ((groups - 8) * scales[..., None] + zeros[..., None]).view(q.shape)
 
 
 QUANTIZATION_METHODS = {"int8": Int8Weight, "int4": Int4Weight}
