@@ -41,6 +41,12 @@ def all_blocks_free(llm: LLM) -> bool:
     return manager.num_free_blocks == manager.num_blocks and not any(manager.ref_counts)
 
 
+@torch.inference_mode()
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), vocab] float32 logits of one unpadded sequence."""
+    return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
 def hf_greedy(hf_model, prompt_ids: list[int], num_new: int) -> list[int]:
     input_ids = torch.tensor([prompt_ids])
     with torch.no_grad():

@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from parity import one_torch_thread, prefill_logits  # noqa: F401 - an autouse fixture
+from parity import hf_greedy, hf_logits, one_torch_thread, prefill_logits  # noqa: F401 - an autouse fixture
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -68,24 +68,6 @@ def greedy(llm):
     return llm.generate(PROMPTS, params)
 
 
-@torch.inference_mode()
-def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([token_ids])).logits[0].float()
-
-
-@torch.inference_mode()
-def hf_greedy(model, prompt_ids: list[int]) -> list[int]:
-    input_ids = torch.tensor([prompt_ids])
-    out = model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        do_sample=False,
-        max_new_tokens=NUM_NEW,
-        min_new_tokens=NUM_NEW,
-    )
-    return out[0, len(prompt_ids) :].tolist()
-
-
 def test_gemma3_270m_is_gemma3_with_local_and_global_layers(llm):
     model = llm.engine.runner.model
     assert type(model).__name__ == "Gemma3ForCausalLM"
@@ -107,7 +89,7 @@ def test_gemma3_270m_greedy_matches_transformers_fp32(llm, hf_model, greedy):
     eos_ids = sorted(llm.engine.eos_token_ids)
     for prompt, out in zip(PROMPTS, greedy, strict=True):
         mine = out.outputs[0].token_ids
-        ref = hf_greedy(hf_model, out.prompt_token_ids)
+        ref = hf_greedy(hf_model, out.prompt_token_ids, NUM_NEW)
         assert len(mine) == len(ref) == NUM_NEW
         d = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), None)
         if d is None:

@@ -21,6 +21,7 @@ import re
 import pytest
 import torch
 from conftest import smollm2_gguf_path
+from parity import hf_logits
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -102,12 +103,6 @@ def hf_generate(model, prompts: list[list[int]], num_tokens: int, pad_id: int) -
         pad_token_id=pad_id,
     )
     return out[:, width:].tolist()
-
-
-@torch.inference_mode()
-def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
-    """[len(token_ids), vocab] float32 logits of one unpadded sequence."""
-    return model(torch.tensor([token_ids])).logits[0].float()
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
