@@ -144,7 +144,9 @@ class DataParallelEngine:
         """The replicas' load summed (KV usage averaged), as of each one's last step."""
         live = [r.stats for r in self.replicas if r.alive] or [EngineStats()]
         return EngineStats(sum(s.num_running_seqs for s in live), sum(s.num_waiting_seqs for s in live),
-                           sum(s.kv_cache_usage for s in live) / len(live))
+                           sum(s.kv_cache_usage for s in live) / len(live),
+                           sum(s.prefix_cache_queried_tokens for s in live),
+                           sum(s.prefix_cache_hit_tokens for s in live))
 
     # The loop --------------------------------------------------------------------------------------------------
 

@@ -34,6 +34,13 @@ class EngineStats:
     num_running_seqs: int = 0
     num_waiting_seqs: int = 0
     kv_cache_usage: float = 0.0  # share of KV blocks in use, 0..1
+    prefix_cache_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache so far
+    prefix_cache_hit_tokens: int = 0  # of those, the ones found there
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        queried = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / queried if queried else 0.0
 
 
 class LLMEngine:
@@ -232,7 +239,8 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
-        return EngineStats(len(scheduler.running), len(scheduler.waiting), self.block_manager.usage)
+        return EngineStats(len(scheduler.running), len(scheduler.waiting), self.block_manager.usage,
+                           scheduler.prefix_queried_tokens, scheduler.prefix_hit_tokens)
 
     # ----------------------------------------------------------------------------------------------------------
     # The loop

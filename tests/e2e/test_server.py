@@ -342,6 +342,8 @@ def test_metrics_parse_and_count_the_traffic(port, client):
     samples = {s.name: s.value for family in text_string_to_metric_families(text.decode()) for s in family.samples}
     assert samples["liteinfer_num_seqs_running"] >= 0 and samples["liteinfer_num_seqs_waiting"] >= 0
     assert 0 <= samples["liteinfer_kv_cache_usage_ratio"] <= 1
+    assert samples["liteinfer_prefix_cache_queried_tokens"] >= samples["liteinfer_prefix_cache_hit_tokens"] >= 0
+    assert 0 <= samples["liteinfer_prefix_cache_hit_ratio"] <= 1
     assert samples["liteinfer_prompt_tokens_total"] > 0
     assert samples["liteinfer_generation_tokens_total"] >= MAX_TOKENS
     assert samples["liteinfer_time_to_first_token_seconds_count"] >= 1

@@ -24,6 +24,11 @@ class ServerMetrics:
             "liteinfer_num_seqs_running": ("Sequences in the running batch", "num_running_seqs"),
             "liteinfer_num_seqs_waiting": ("Sequences queued for the running batch", "num_waiting_seqs"),
             "liteinfer_kv_cache_usage_ratio": ("Share of KV-cache blocks in use (0..1)", "kv_cache_usage"),
+            "liteinfer_prefix_cache_queried_tokens": ("Prompt tokens looked up in the prefix cache",
+                                                      "prefix_cache_queried_tokens"),
+            "liteinfer_prefix_cache_hit_tokens": ("Prompt tokens found in the prefix cache", "prefix_cache_hit_tokens"),
+            "liteinfer_prefix_cache_hit_ratio": ("Share of looked-up prompt tokens found in the prefix cache (0..1)",
+                                                 "prefix_cache_hit_rate"),
         }
         for name, (help_text, stat) in gauges.items():
             Gauge(name, help_text, registry=self.registry).set_function(lambda stat=stat: getattr(llm.stats, stat))
