@@ -37,7 +37,8 @@ from transformers import PretrainedConfig
 from liteinfer.cache import KVCache
 from liteinfer.distributed import TensorParallelGroup
 from liteinfer.engine.step_inputs import StepInputs
-from liteinfer.layers.linear import prepack_linears
+from liteinfer.layers import LMHead
+from liteinfer.layers.linear import Linear, prepack_linears
 from liteinfer.layers.quantization import quantize_linears
 from liteinfer.models import get_model_class
 from liteinfer.models.loader import build_model, iter_checkpoint
@@ -75,7 +76,7 @@ class ShardSpec:
         model = build_model(model_cls, self.hf_config, self.dtype, device, checkpoint, tp)
         if self.quantization is not None:
             quantize_linears(model, self.quantization)
-        prepack_linears(model, PREPACK_BATCH_HINT)  # what quantization left in floats
+        prepack_linears(model, PREPACK_BATCH_HINT, (Linear, LMHead))  # what quantization left in floats
         return model
 
     def kv_cache_dims(self, tp: TensorParallelGroup) -> tuple[int, int, int]:

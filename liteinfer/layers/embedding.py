@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from liteinfer.distributed import TensorParallelGroup
+from liteinfer.layers.linear import linear
 
 
 class VocabEmbedding(nn.Module):
@@ -61,5 +62,5 @@ class LMHead(nn.Module):
     load_weight = VocabEmbedding.load_weight  # the same rows of the same [vocab, hidden] layout
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.tp.gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.tp.gather_last_dim(linear(hidden, self.weight))
         return None if logits is None else logits[:, : self.vocab_size]

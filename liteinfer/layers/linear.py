@@ -24,7 +24,7 @@ from liteinfer.distributed import TensorParallelGroup
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), with W stored [out, in] as in Hugging Face checkpoints (until `prepack` or quantization)."""
+    """y = x W^T (+ b), with W stored [out, in] as in Hugging Face checkpoints (until prepacked or quantized)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
@@ -40,29 +40,32 @@ class Linear(nn.Module):
         if self.quantized is not None:
             y = self.quantized(x)
             return y if bias is None else y + bias
-        if self.weight.is_mkldnn:  # prepacked
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
-        return F.linear(x, self.weight, bias)
-
-    def prepack(self, batch_size: int) -> None:
-        """Reorder W, once loaded, into oneDNN's blocked layout for this CPU (for batches of about `batch_size`).
-
-        Plain `F.linear` re-blocks W on every call; prepacked, the step's GEMMs ran 1.15x (bf16, batch 32) to 1.7x
-        (fp32, batch 32) faster on SmolLM2 here (docs/benchmarks.md). W is then opaque: load weights first.
-        """
-        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, batch_size)
-        self.weight = nn.Parameter(packed, requires_grad=False)
+        return linear(x, self.weight, bias)
 
 
-def prepack_linears(model: nn.Module, batch_size: int) -> None:
-    """Prepack every `Linear` of a loaded model whose weights live on a CPU with oneDNN (float32 / bfloat16)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b), W as loaded ([out, in]) or prepacked by `prepack_linears`."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def prepack_linears(model: nn.Module, batch_size: int, modules: tuple[type[nn.Module], ...]) -> None:
+    """Reorder the loaded float W of each of `modules` (which multiply through `linear`) into oneDNN's blocked
+    layout for this CPU, for batches of about `batch_size`.
+
+    Plain `F.linear` re-blocks W on every call; prepacked, the step's GEMMs ran 1.15x (bf16, batch 32) to 1.7x
+    (fp32, batch 32) faster on SmolLM2 here (docs/benchmarks.md). W is then opaque, so weights are loaded first;
+    a head tied to the embeddings gets a packed copy of its own (the embedding still looks rows up).
+    """
     if not torch.backends.mkldnn.is_available():
         return
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if (isinstance(module, Linear) and weight is not None and weight.device.type == "cpu"
+        if (isinstance(module, modules) and weight is not None and weight.device.type == "cpu"
                 and weight.dtype in (torch.float32, torch.bfloat16)):
-            module.prepack(batch_size)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.data, batch_size)
+            module.weight = nn.Parameter(packed, requires_grad=False)
 
 
 class RowSlice(NamedTuple):
