@@ -32,17 +32,7 @@ def _height(record: dict) -> float:
 
 def headline_figure(record: dict) -> Figure:
     """Output tokens/s of every engine, one panel per workload."""
-    workloads = list(record["workloads"])
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), _height(record)),
-                             squeeze=False, layout="constrained")
-    for ax, workload in zip(axes[0], workloads):
-        rows = _ok_rows(record, workload)
-        values = [row["metrics"]["output_tokens_per_s"] for row in rows]
-        bars = ax.barh([row["engine"] for row in rows], values, color="tab:blue")
-        ax.bar_label(bars, fmt="%.0f", padding=3)
-        ax.invert_yaxis()  # in the order the engines were given
-        ax.set_title(f"{workload}: output tokens/s (higher is better)", fontsize=10)
-        ax.margins(x=0.15)
+    fig = _bars_per_workload(record, "output_tokens_per_s", "output tokens/s (higher is better)", "tab:blue")
     fig.suptitle(f"{record['model']}, revision {record['revision']}, {record['machine']['cpu']}", fontsize=9)
     return fig
 
@@ -65,16 +55,20 @@ def latency_figure(record: dict, workload: str) -> Figure:
 
 
 def memory_figure(record: dict) -> Figure:
+    return _bars_per_workload(record, "peak_memory_mib", "peak memory, MiB", "tab:green")
+
+
+def _bars_per_workload(record: dict, metric: str, title: str, color: str) -> Figure:
+    """One labelled bar per engine of `metric`, one panel per workload."""
     workloads = list(record["workloads"])
     fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), _height(record)),
                              squeeze=False, layout="constrained")
     for ax, workload in zip(axes[0], workloads):
         rows = _ok_rows(record, workload)
-        bars = ax.barh([row["engine"] for row in rows], [row["metrics"]["peak_memory_mib"] for row in rows],
-                       color="tab:green")
+        bars = ax.barh([row["engine"] for row in rows], [row["metrics"][metric] for row in rows], color=color)
         ax.bar_label(bars, fmt="%.0f", padding=3)
-        ax.invert_yaxis()
-        ax.set_title(f"{workload}: peak memory, MiB", fontsize=10)
+        ax.invert_yaxis()  # in the order the engines were given
+        ax.set_title(f"{workload}: {title}", fontsize=10)
         ax.margins(x=0.15)
     return fig
 
