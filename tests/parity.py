@@ -74,11 +74,11 @@ def prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
         assert engine.block_manager.allocate(seq.block_table, len(ids))
         batch.add(seq, len(ids))
     try:
-        order, input_ids, positions, meta, _ = engine.runner._prepare(batch)
+        order, input_ids, meta, _ = engine.runner._prepare(batch)
         assert order == list(range(len(prompts)))
         with torch.inference_mode():
             model = engine.runner.model
-            logits = model.compute_logits(model(input_ids, positions, meta))
+            logits = model.compute_logits(model(input_ids, meta.positions, meta))
     finally:
         for seq in batch.seqs:
             engine.block_manager.free(seq.block_table)

@@ -35,7 +35,7 @@ class ModelRunner:
         A sequence samples when this step computes its last token (a prefill chunk that stops short of the end
         computes K/V only).
         """
-        order, input_ids, _, meta, last_token = self._prepare(batch)
+        order, input_ids, meta, last_token = self._prepare(batch)
         sampling = [(i, int(last)) for i, last in zip(order, last_token) if last >= 0]
         sample_rows = torch.tensor([row for _, row in sampling], dtype=torch.long, device=self.device)
         step = StepInputs(input_ids, meta, sample_rows)
@@ -56,10 +56,10 @@ class ModelRunner:
 
     def _prepare(
         self, batch: ScheduledBatch
-    ) -> tuple[list[int], torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    ) -> tuple[list[int], torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Lay the step's tokens end to end, decodes first (attention batches them), then multi-token spans.
 
-        Returns the batch order used, input ids, positions, the attention metadata, and for each sequence (in
+        Returns the batch order used, input ids, the attention metadata (positions included), and for each sequence (in
         that order) the row of its last token if it samples this step, else -1.
         """
         device, block_size = self.device, self.block_size
@@ -97,4 +97,4 @@ class ModelRunner:
             decode_block_tables=block_tables[:num_decodes].to(device),
             prefills=prefills,
         )
-        return order, torch.tensor(tokens, dtype=torch.long, device=device), meta.positions, meta, last_token
+        return order, torch.tensor(tokens, dtype=torch.long, device=device), meta, last_token
