@@ -33,8 +33,8 @@ class EngineConfig:
     # With chunked prefill, the most tokens a prefill in progress takes per step while others wait.
     # None = a quarter of max_num_batched_tokens.
     long_prefill_token_threshold: int | None = None
-    # Eager PyTorch is the only forward path so far; torch.compile and CUDA graphs (enforce_eager=False) are
-    # queued in docs/roadmap.md and refused until they exist.
+    # False: decode steps run as one torch.compile graph (engine/compiled.py), compiled when the engine starts
+    # (30-60 s per graph on 2 CPU cores, two graphs). True keeps every step on the plain eager path.
     enforce_eager: bool = True
     seed: int = 0
     # Ranks the model is sharded over (Megatron-style, one process per rank on this host; see engine/workers.py).
@@ -80,8 +80,9 @@ class EngineConfig:
         require(self.data_parallel_size >= 1, "data_parallel_size", "must be >= 1")
         require(self.ray_address is None or isinstance(self.ray_address, str), "ray_address",
                 "must be a Ray address string or None")
-        require(self.enforce_eager is True, "enforce_eager",
-                "must be True: torch.compile / CUDA graphs are not implemented yet")
+        require(isinstance(self.enforce_eager, bool), "enforce_eager", "must be a bool")
+        require(self.enforce_eager or self.tensor_parallel_size == 1, "enforce_eager",
+                "must be True with tensor_parallel_size > 1 (the compiled decode step is single-rank so far)")
 
     @classmethod
     def from_kwargs(cls, model: str | None, **kwargs) -> EngineConfig:

@@ -13,11 +13,13 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device):
         # Heads outermost: gathering a batch's blocks then yields [kv_heads, seqs, tokens, dim], the layout the
         # attention matmuls read as is (5-20x faster decode attention on CPU than blocks outermost, measured).
-        shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+        # One tensor per layer rather than views of one: a compiled step then writes each in place, where views of
+        # one base would make torch.compile treat the whole pool as one input and copy it back after every step.
         # Zeroed, not empty: attention multiplies masked-out (probability 0) slots by their values, and 0 * NaN
         # from uninitialised memory would poison the output.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
 
@@ -28,7 +30,7 @@ class KVCache:
     def bind(self, model: nn.Module) -> None:
         """Point each attention layer, in model order, at its own slice of the pool."""
         layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
-        if len(layers) != self.k.shape[0]:
-            raise ValueError(f"model has {len(layers)} attention layers, the cache was sized for {self.k.shape[0]}")
-        for i, attn in enumerate(layers):
-            attn.k_cache, attn.v_cache = self.k[i], self.v[i]
+        if len(layers) != len(self.k):
+            raise ValueError(f"model has {len(layers)} attention layers, the cache was sized for {len(self.k)}")
+        for attn, k, v in zip(layers, self.k, self.v):
+            attn.k_cache, attn.v_cache = k, v

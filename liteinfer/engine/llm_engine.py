@@ -12,6 +12,7 @@ import torch
 from liteinfer.cache import BlockManager, KVCache
 from liteinfer.config import EngineConfig
 from liteinfer.distributed import TensorParallelGroup
+from liteinfer.engine.compiled import CompiledDecoder
 from liteinfer.engine.detokenizer import IncrementalDetokenizer
 from liteinfer.engine.model_runner import ModelRunner
 from liteinfer.engine.scheduler import Scheduler, StaticScheduler
@@ -76,7 +77,7 @@ class LLMEngine:
             self.device = spec.device(0)
             self.workers, self.tp = WorkerPool.start(spec, config.tensor_parallel_size)
         try:
-            model = spec.build_model(self.tp, self.device)
+            model = spec.build_model(self.tp, self.device, prepack=config.enforce_eager)
             self.kv_cache = self._allocate_kv_cache(spec)
             if self.workers is not None:
                 self.workers.allocate_kv_cache(self.kv_cache.num_blocks)
@@ -93,7 +94,12 @@ class LLMEngine:
                 config.enable_chunked_prefill, config.long_prefill_token_threshold,
             )
         self.eos_token_ids = self._eos_token_ids()
-        self.runner = ModelRunner(model, Sampler(self.eos_token_ids), config.block_size, self.device, self.workers)
+        compiled = None
+        if not config.enforce_eager:
+            compiled = CompiledDecoder(model)
+            compiled.warm_up(self.device)
+        self.runner = ModelRunner(model, Sampler(self.eos_token_ids), config.block_size, self.device, self.workers,
+                                  compiled)
         self.requests: dict[str, Request] = {}
 
     def _resolve_max_model_len(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from liteinfer.engine.compiled import CompiledDecoder
 from liteinfer.engine.scheduler import ScheduledBatch
 from liteinfer.engine.step_inputs import StepInputs
 from liteinfer.engine.workers import WorkerPool, run_step
@@ -21,12 +22,13 @@ class ModelRunner:
     run the same forward on their shards; the logits come back to rank 0 alone, and only rank 0 samples."""
 
     def __init__(self, model: nn.Module, sampler: Sampler, block_size: int, device: torch.device,
-                 workers: WorkerPool | None = None):
+                 workers: WorkerPool | None = None, compiled: CompiledDecoder | None = None):
         self.model = model
         self.sampler = sampler
         self.block_size = block_size
         self.device = device
         self.workers = workers
+        self.compiled = compiled  # runs the decode-only steps when set (enforce_eager=False)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[int], SamplerOutput | None]:
@@ -42,7 +44,10 @@ class ModelRunner:
         try:
             if self.workers is not None:
                 self.workers.send(step)
-            logits = run_step(self.model, step)
+            if self.compiled is not None and self.compiled.accepts(step):
+                logits = self.compiled(step)
+            else:
+                logits = run_step(self.model, step)
         except RuntimeError as exc:  # a collective failed: if a worker died, say so rather than how it showed
             if self.workers is not None:
                 self.workers.check(failed=exc)
@@ -93,7 +98,6 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(device),
             positions=positions.to(device),
-            num_decodes=num_decodes,
             decode_block_tables=block_tables[:num_decodes].to(device),
             prefills=prefills,
         )

@@ -54,7 +54,6 @@ class StepInputs:
         meta = AttentionMetadata(
             slot_mapping=slots.to(device),
             positions=positions.to(device),
-            num_decodes=num_decodes,
             decode_block_tables=decode_tables.to(device),
             prefills=prefills,
         )

@@ -70,13 +70,15 @@ class ShardSpec:
     def device(self, rank: int) -> torch.device:
         return torch.device("cuda", rank) if self.device_type == "cuda" else torch.device("cpu")
 
-    def build_model(self, tp: TensorParallelGroup, device: torch.device) -> nn.Module:
+    def build_model(self, tp: TensorParallelGroup, device: torch.device, prepack: bool = True) -> nn.Module:
+        """prepack=False keeps the float weights plain, as torch.compile needs them (engine/compiled.py)."""
         model_cls = get_model_class(self.hf_config.architectures)
         checkpoint = iter_checkpoint(self.source, self.hf_config, lazy=True)
         model = build_model(model_cls, self.hf_config, self.dtype, device, checkpoint, tp)
         if self.quantization is not None:
             quantize_linears(model, self.quantization)
-        prepack_linears(model, PREPACK_BATCH_HINT, (Linear, LMHead))  # what quantization left in floats
+        if prepack:
+            prepack_linears(model, PREPACK_BATCH_HINT, (Linear, LMHead))  # what quantization left in floats
         return model
 
     def kv_cache_dims(self, tp: TensorParallelGroup) -> tuple[int, int, int]:

@@ -37,9 +37,13 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of each new token
     positions: torch.Tensor  # [T] position of each new token in its sequence
-    num_decodes: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0 (masked out by position)
     prefills: list[PrefillSpan]
+
+    @property
+    def num_decodes(self) -> int:
+        # A size, not a stored int: under torch.compile it stays symbolic with the batch instead of fixing it.
+        return self.decode_block_tables.shape[0]
 
 
 class PagedAttention(nn.Module):

@@ -8,6 +8,8 @@ computes the logits of its rows, and rank 0 gathers them side by side (the other
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,7 +46,7 @@ class VocabEmbedding(nn.Module):
 
 class LMHead(nn.Module):
     """Logits for the given hidden states (on rank 0; None on the others); a tied head shares the embedding's
-    Parameter, split the same way."""
+    Parameter, split the same way (until quantized or prepacked: then the head holds a copy of its own)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None,
                  tp: TensorParallelGroup | None = None):
@@ -58,9 +60,11 @@ class LMHead(nn.Module):
             self.vocab_start = self.tp.rank * rows
             self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
             self.weight.weight_loader = self.load_weight
+        self.quantized: Callable[[torch.Tensor], torch.Tensor] | None = None  # as in Linear
 
     load_weight = VocabEmbedding.load_weight  # the same rows of the same [vocab, hidden] layout
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.tp.gather_last_dim(linear(hidden, self.weight))
+        logits = self.quantized(hidden) if self.quantized is not None else linear(hidden, self.weight)
+        logits = self.tp.gather_last_dim(logits)
         return None if logits is None else logits[:, : self.vocab_size]

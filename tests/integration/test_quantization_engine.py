@@ -3,6 +3,7 @@
 import pytest
 
 from liteinfer import LLM, SamplingParams
+from liteinfer.layers.quantization import Int8Weight
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,"]
 
@@ -11,6 +12,7 @@ def test_int8_engine_first_token_and_logprob_close_to_float(tiny_llama_dir):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     float_outs = LLM(str(tiny_llama_dir), dtype="float32").generate(PROMPTS, params)
     quantized = LLM(str(tiny_llama_dir), dtype="float32", quantization="int8")
+    assert quantized.engine.runner.model.lm_head.quantized is None  # int8 keeps a float head (quantization.py)
     for ref, out in zip(float_outs, quantized.generate(PROMPTS, params)):
         token = ref.outputs[0].token_ids[0]
         assert out.outputs[0].token_ids[0] == token  # the peaked tiny model's first choice survives int8
@@ -22,6 +24,7 @@ def test_int4_engine_quantizes_every_linear_and_generates(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", quantization="int4")
     linears = [m for m in llm.engine.runner.model.modules() if hasattr(m, "quantized")]
     assert linears and all(m.quantized is not None and m.weight is None for m in linears)
+    assert isinstance(llm.engine.runner.model.lm_head.quantized, Int8Weight)  # int4's head is int8
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [len(out.outputs[0].token_ids) for out in outs] == [8, 8]
 

@@ -112,21 +112,33 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def test_fp32_greedy_matches_transformers(llm_fp32, hf_model, prompt_ids, smollm2_tokenizer):
     # Our chat rendering is the reference rendering.
     assert llm_fp32.apply_chat_template(chat(PARITY_PROMPTS[0])) == prompt_ids[0]
+    check_greedy_parity(llm_fp32, hf_model, prompt_ids, smollm2_tokenizer, "fp32")
 
+
+def test_fp32_compiled_greedy_matches_transformers(hf_model, prompt_ids, smollm2_tokenizer):
+    """The decode step as one torch.compile graph (weights frozen and prepacked by inductor) holds to the same
+    standard as eager; two batches, so that both of its graphs (one sequence, several) decode."""
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES, enforce_eager=False)
+    check_greedy_parity(llm, hf_model, prompt_ids[:1], smollm2_tokenizer, "fp32 compiled, batch of 1")
+    check_greedy_parity(llm, hf_model, prompt_ids, smollm2_tokenizer, "fp32 compiled")
+
+
+def check_greedy_parity(llm, hf_model, prompt_ids, smollm2_tokenizer, label: str) -> None:
     # transformers' min_new_tokens masks EOS until the count is reached; our equivalent is min_tokens
     # (ignore_eos alone only keeps going *after* an EOS, the way vLLM does, so the EOS itself is still produced).
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    outputs = llm_fp32.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
     ours = [out.outputs[0].token_ids for out in outputs]
     pad_id = smollm2_tokenizer.pad_token_id
     assert pad_id is not None
     # Left-padded batching was checked to give the same tokens as transformers at batch 1 on these prompts; a
     # divergence below is in any case judged on an unpadded batch-1 forward pass.
     theirs = hf_generate(hf_model, prompt_ids, NUM_NEW_TOKENS, pad_id)
-    eos_ids = sorted(llm_fp32.engine.eos_token_ids)
+    eos_ids = sorted(llm.engine.eos_token_ids)
 
     exact, divergences = 0, []
-    for question, prompt, mine, ref, out in zip(PARITY_PROMPTS, prompt_ids, ours, theirs, outputs, strict=True):
+    questions = PARITY_PROMPTS[: len(prompt_ids)]
+    for question, prompt, mine, ref, out in zip(questions, prompt_ids, ours, theirs, outputs, strict=True):
         assert len(mine) == len(ref) == NUM_NEW_TOKENS
         assert out.outputs[0].finish_reason == "length"
         d = first_divergence(mine, ref)
@@ -144,7 +156,7 @@ def test_fp32_greedy_matches_transformers(llm_fp32, hf_model, prompt_ids, smollm
             f"top-2 {top2}, ours {mine[d]} is {behind[mine[d]]:.4f} behind, transformers' {ref[d]} "
             f"{behind[ref[d]]:.4f} behind"
         )
-    print(f"fp32 greedy parity: {exact}/{len(PARITY_PROMPTS)} prompts identical; near-tie divergences: {divergences}")
+    print(f"{label} greedy parity: {exact}/{len(prompt_ids)} prompts identical; near-tie divergences: {divergences}")
 
 
 def test_fp32_logprobs_match_transformers(llm_fp32, hf_model, prompt_ids):

@@ -1,0 +1,105 @@
+"""torch.compile of the decode step (enforce_eager=False): the eager path's greedy tokens, the KV pool written in
+place, and every graph compiled at start-up (none while serving)."""
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch._inductor.utils import run_and_get_code
+
+from liteinfer import LLM, SamplingParams
+from liteinfer.engine.compiled import CompiledDecoder
+from liteinfer.engine.scheduler import Scheduler
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+SYSTEM = "You are a careful assistant. Answer briefly and say so when you are unsure. "
+# Shared prefixes (prefix-cache hits on the second call), a one-token prompt, one longer than a prefill chunk.
+PROMPTS = [SYSTEM + "What is the capital of France?", SYSTEM + "Why is the sea salty?", "Hi",
+           "Tell me a joke.", SYSTEM * 6 + "Summarise."]
+# 17 blocks of 16 tokens cannot hold every prompt and its 24 new tokens at once: the engine has to preempt. The odd
+# count also gives a layer's pool a size (2 KV heads x 17 x 16 x 16) no other tensor of this model has.
+ENGINE = dict(dtype="float32", num_kv_blocks=17, block_size=16, max_model_len=256, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny model: thread hand-offs cost more than the maths
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_llama_dir):
+    """(the compiled engine's LLM, the C++/Python code inductor generated for it at start-up)."""
+    llm, code = run_and_get_code(LLM, str(tiny_llama_dir), enforce_eager=False, **ENGINE)
+    return llm, "\n".join(code)
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_llama_dir) -> LLM:
+    return LLM(str(tiny_llama_dir), **ENGINE)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+def test_compiled_decode_gives_eager_greedy_tokens(compiled, eager, monkeypatch):
+    llm, _ = compiled
+    batches, preemptions = [], []
+    call, preempt = CompiledDecoder.__call__, Scheduler.preempt
+    monkeypatch.setattr(CompiledDecoder, "__call__", lambda self, step: batches.append(len(step.input_ids))
+                        or call(self, step))
+    monkeypatch.setattr(Scheduler, "preempt", lambda self, seq: preemptions.append(seq) or preempt(self, seq))
+
+    for _ in range(2):  # the second pass finds the shared prefixes cached
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == token_ids(eager.generate(PROMPTS, GREEDY))
+    one_at_a_time = [llm.generate([prompt], GREEDY)[0].outputs[0].token_ids for prompt in PROMPTS]
+    assert one_at_a_time == token_ids(eager.generate(PROMPTS, GREEDY))
+
+    assert preemptions, "the small pool was meant to force preemption"
+    assert 1 in batches and max(batches) > 1  # both graphs served decode steps
+    assert llm.engine.stats().prefix_cache_hit_tokens > 0
+
+
+def test_graphs_are_compiled_at_start_up_only(compiled):
+    llm, _ = compiled
+    code = llm.engine.runner.compiled._compiled._torchdynamo_orig_callable.__code__
+    assert len(_debug_get_cache_entry_list(code)) == 2  # batch of one, and any other batch
+    llm.generate(PROMPTS, GREEDY)
+    llm.generate(PROMPTS[:1], GREEDY)
+    assert len(_debug_get_cache_entry_list(code)) == 2  # new batch sizes and context lengths: no recompile
+
+
+def test_kv_pool_is_written_in_place_not_copied(compiled):
+    """A graph that functionalised the pool's update would copy the whole pool back each step: a kernel looping
+    over its size. The generated code has none; the control shows such a copy would be visible."""
+    llm, code = compiled
+    pool_size = llm.engine.kv_cache.k[0].numel()
+    assert pool_size == 2 * 17 * 16 * 16
+    assert f"{pool_size}L" not in code
+
+    def copy_whole(pool):
+        pool.copy_(pool * 2)
+        return pool[:, :1].sum()
+
+    _, control = run_and_get_code(torch.compile(copy_whole), torch.zeros_like(llm.engine.kv_cache.k[0]))
+    assert f"{pool_size}L" in "\n".join(control)
+
+
+def test_another_engine_in_the_same_process_gets_its_own_graphs(compiled, tmp_path, smollm2_tokenizer):
+    """Guards on the model are skipped for speed; each engine compiles a private copy of the step's code, so a
+    second model never runs on the first one's frozen weights."""
+    make_tiny_llama(tmp_path, smollm2_tokenizer, "gqa-untied", seed=1)
+    other = LLM(str(tmp_path), enforce_eager=False, **ENGINE)
+    prompts = PROMPTS[:2]
+    assert token_ids(other.generate(prompts, GREEDY)) == token_ids(LLM(str(tmp_path), **ENGINE).generate(prompts,
+                                                                                                        GREEDY))
+    first, _ = compiled
+    assert token_ids(other.generate(prompts, GREEDY)) != token_ids(first.generate(prompts, GREEDY))
+
+
+def test_compile_with_tensor_parallelism_is_refused(tiny_llama_dir):
+    with pytest.raises(ValueError, match="enforce_eager"):
+        LLM(str(tiny_llama_dir), enforce_eager=False, tensor_parallel_size=2)
