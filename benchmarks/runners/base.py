@@ -130,6 +130,7 @@ RUNNERS = {
     "transformers": ("benchmarks.runners.transformers", "TransformersRunner"),
     "llamacpp": ("benchmarks.runners.llamacpp", "LlamaCppRunner"),
     "vllm": ("benchmarks.runners.vllm", "VLLMRunner"),
+    "roofline": ("benchmarks.runners.roofline", "LinearsRooflineRunner"),  # the model's linears alone
 }
 # The engines that are not dependencies of liteinfer: the module each needs, and how to get it.
 OPTIONAL_ENGINES = {

@@ -20,6 +20,7 @@ class KVCache:
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.device = device
         self.num_blocks = num_blocks
         self.block_size = block_size
 

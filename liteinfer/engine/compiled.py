@@ -5,21 +5,27 @@ run the eager model: their span structure changes every step (a recompile each t
 enough that a graph gains little over eager.
 
 What the graph does differently from eager, and why:
-- Weights are folded in by inductor's freezing, which prepacks every linear for oneDNN; so the model handed to
-  `CompiledDecoder` keeps plain float weights (`ShardSpec.build_model(prepack=False)`), which the eager steps then
-  multiply unpacked.
+- Weights are folded in by inductor's freezing, which prepacks every linear for oneDNN. Tracing needs plain
+  tensors, so the model comes with plain float weights (`ShardSpec.build_model(prepack=False)`); once `warm_up`
+  has compiled, the engine prepacks the model's own weights for the eager steps (the graphs never read them
+  again), and any later recompile, which could not trace them, is refused.
 - Each layer's K/V pool tensor is written in place by the graph (an `index_copy_` that inductor keeps in place on
   the graph input), never copied; tests/integration/test_compiled.py checks the pool is not copied.
 - The batch size and the block-table width are dynamic, except that a batch of one gets a graph of its own (torch
   specialises sizes 0 and 1) and block tables are padded to two columns: two compiles in all, both made by
-  `warm_up` when the engine starts, so no request waits for one. Inductor's on-disk cache shortens them on
-  later starts.
+  `warm_up` when the engine starts, so no request waits for one. Frozen oneDNN weights cannot be pickled, so
+  inductor's on-disk cache is bypassed: every start compiles again (about 100 s for SmolLM2 on 2 cores).
 - Guards on module attributes are skipped (they cost about 1 ms per step with quantized weights, checked every
-  call): the engine never rebinds a weight or a pool tensor once it runs.
+  call): the graphs read no weight from the module, and the pool tensors are never rebound.
+- On CUDA the graph is replayed as CUDA graphs (inductor's cudagraph trees), captured the first times each padded
+  shape comes up. Written for the GPU tests (tests/integration/test_gpu.py), which have not run yet: no GPU has
+  been lent to this project's sessions so far.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 import types
 from dataclasses import replace
 
@@ -27,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from liteinfer.cache import KVCache
 from liteinfer.engine.step_inputs import StepInputs
 from liteinfer.layers import AttentionMetadata
 
-# A compile costs 30-60 s on 2 cores; a third graph means a shape we did not plan for, so fail rather than thrash.
-_MAX_GRAPHS = 2
+logger = logging.getLogger(__name__)
 
 
 def _decode_logits(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -39,9 +45,21 @@ def _decode_logits(model: nn.Module, input_ids: torch.Tensor, positions: torch.T
     return model.compute_logits(model(input_ids, positions, meta))
 
 
+def _next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 class CompiledDecoder:
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, kv_cache: KVCache):
         self.model = model
+        self.warmed_up = False
+        # On CUDA each step replays a CUDA graph (inductor's cudagraph trees), one per batch size and block-table
+        # width; both are padded to powers of two so that a few graphs serve every step. The pool stays at one
+        # address, so the graphs write it in place rather than copying it in and out.
+        self.cuda_graphs = kv_cache.device.type == "cuda"
+        if self.cuda_graphs:
+            for pool in kv_cache.k + kv_cache.v:
+                torch._dynamo.mark_static_address(pool)
         # torch.compile keeps its graphs on the code object it compiles, and with module guards skipped it would not
         # tell two models apart: a private copy of the code gives this model graphs of its own (and frees them with
         # it), so another engine in the same process never runs with this one's frozen weights.
@@ -49,7 +67,8 @@ class CompiledDecoder:
         self._compiled = torch.compile(
             types.FunctionType(code, _decode_logits.__globals__, _decode_logits.__name__),
             fullgraph=True,  # a graph break would bring per-layer Python back: refuse it
-            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                     "triton.cudagraphs": self.cuda_graphs},
         )
 
     @staticmethod
@@ -59,26 +78,40 @@ class CompiledDecoder:
 
     def __call__(self, step: StepInputs) -> torch.Tensor:
         meta = step.meta
+        input_ids, positions, slots = step.input_ids, meta.positions, meta.slot_mapping
         tables = meta.decode_block_tables
-        if tables.shape[1] < 2:  # padding is block 0, masked out by position like any other padding
-            tables = F.pad(tables, (0, 2 - tables.shape[1]))
-        tensors = (step.input_ids, meta.positions, meta.slot_mapping, tables)
-        if len(step.input_ids) > 1:
-            for tensor in tensors:
+        batch, width = tables.shape
+        if self.cuda_graphs and batch > 1:
+            # Extra rows repeat the first: they write the same K/V to the same slot, and their logits are dropped.
+            rows = F.pad(torch.arange(batch, device=tables.device), (0, _next_power_of_two(batch) - batch))
+            input_ids, positions, slots, tables = input_ids[rows], positions[rows], slots[rows], tables[rows]
+        # Padding columns are block 0, masked out by position like any other padding.
+        padded_width = max(2, _next_power_of_two(width) if self.cuda_graphs else width)
+        if padded_width > width:
+            tables = F.pad(tables, (0, padded_width - width))
+        if batch > 1:
+            for tensor in (input_ids, positions, slots, tables):
                 torch._dynamo.mark_dynamic(tensor, 0)
         torch._dynamo.mark_dynamic(tables, 1)
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's logits are consumed
+        meta = replace(meta, positions=positions, slot_mapping=slots, decode_block_tables=tables)
         with (
             torch._inductor.config.patch(freezing=True),
             # Without it, a batch that happens to equal the table width at the first compile would tie the two.
             torch.fx.experimental._config.patch(use_duck_shape=False),
-            torch._dynamo.config.patch(recompile_limit=_MAX_GRAPHS, fail_on_recompile_limit_hit=True),
+            # After warm-up the model's weights are prepacked for eager steps, which the compiler cannot trace:
+            # an unplanned shape must fail loudly rather than recompile.
+            torch.compiler.set_stance("fail_on_recompile" if self.warmed_up else "default"),
         ):
-            return self._compiled(self.model, step.input_ids, meta.positions, replace(meta, decode_block_tables=tables))
+            return self._compiled(self.model, input_ids, positions, meta)[:batch]
 
     @torch.inference_mode()
     def warm_up(self, device: torch.device) -> None:
         """Compile both graphs now (batch of one and any other batch) on dummy decodes that write block 0 only,
         before any sequence holds a block."""
+        logger.info("compiling the decode step (torch.compile, two graphs)...")
+        start = time.perf_counter()
         for batch in (1, 2):
             ids = torch.zeros(batch, dtype=torch.long, device=device)
             meta = AttentionMetadata(
@@ -88,3 +121,5 @@ class CompiledDecoder:
                 prefills=[],
             )
             self(StepInputs(ids, meta, torch.arange(batch, device=device)))
+        self.warmed_up = True
+        logger.info("decode step compiled in %.0f s", time.perf_counter() - start)

@@ -17,7 +17,7 @@ from liteinfer.engine.detokenizer import IncrementalDetokenizer
 from liteinfer.engine.model_runner import ModelRunner
 from liteinfer.engine.scheduler import Scheduler, StaticScheduler
 from liteinfer.engine.sequence import Request, Sequence
-from liteinfer.engine.workers import ShardSpec, WorkerPool
+from liteinfer.engine.workers import ShardSpec, WorkerPool, prepack_for_eager
 from liteinfer.models.source import load_config, load_tokenizer, resolve_model
 from liteinfer.outputs import RequestMetrics, RequestOutput
 from liteinfer.sampling import Sampler, SamplerOutput, SamplingParams
@@ -96,8 +96,10 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         compiled = None
         if not config.enforce_eager:
-            compiled = CompiledDecoder(model)
+            compiled = CompiledDecoder(model, self.kv_cache)
             compiled.warm_up(self.device)
+            # The graphs hold inductor's own packed copies of the weights; eager (prefill) steps get theirs now.
+            prepack_for_eager(model)
         self.runner = ModelRunner(model, Sampler(self.eos_token_ids), config.block_size, self.device, self.workers,
                                   compiled)
         self.requests: dict[str, Request] = {}

@@ -71,14 +71,14 @@ class ShardSpec:
         return torch.device("cuda", rank) if self.device_type == "cuda" else torch.device("cpu")
 
     def build_model(self, tp: TensorParallelGroup, device: torch.device, prepack: bool = True) -> nn.Module:
-        """prepack=False keeps the float weights plain, as torch.compile needs them (engine/compiled.py)."""
+        """prepack=False keeps the float weights plain, as torch.compile needs them to trace (engine/compiled.py)."""
         model_cls = get_model_class(self.hf_config.architectures)
         checkpoint = iter_checkpoint(self.source, self.hf_config, lazy=True)
         model = build_model(model_cls, self.hf_config, self.dtype, device, checkpoint, tp)
         if self.quantization is not None:
             quantize_linears(model, self.quantization)
         if prepack:
-            prepack_linears(model, PREPACK_BATCH_HINT, (Linear, LMHead))  # what quantization left in floats
+            prepack_for_eager(model)
         return model
 
     def kv_cache_dims(self, tp: TensorParallelGroup) -> tuple[int, int, int]:
@@ -91,6 +91,11 @@ class ShardSpec:
     def kv_cache(self, tp: TensorParallelGroup, num_blocks: int, device: torch.device) -> KVCache:
         num_layers, num_kv_heads, head_dim = self.kv_cache_dims(tp)
         return KVCache(num_layers, num_blocks, self.block_size, num_kv_heads, head_dim, self.dtype, device)
+
+
+def prepack_for_eager(model: nn.Module) -> None:
+    """Reorder the float weights that quantization left (all of them without it) for oneDNN's eager kernels."""
+    prepack_linears(model, PREPACK_BATCH_HINT, (Linear, LMHead))
 
 
 def run_step(model: nn.Module, step: StepInputs) -> torch.Tensor | None:

@@ -1,11 +1,13 @@
 """torch.compile of the decode step (enforce_eager=False): the eager path's greedy tokens, the KV pool written in
 place, and every graph compiled at start-up (none while serving)."""
 
+from unittest import mock
+
 import pytest
 import torch
 from conftest import make_tiny_llama
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-from torch._inductor.utils import run_and_get_code
+from torch._inductor.graph import GraphLowering
 
 from liteinfer import LLM, SamplingParams
 from liteinfer.engine.compiled import CompiledDecoder
@@ -29,11 +31,22 @@ def _one_torch_thread():
     torch.set_num_threads(threads)
 
 
+def generated_code(fn, *args) -> str:
+    """The code inductor generates while `fn(*args)` runs. (Like torch's `run_and_get_code`, but without its
+    `torch._dynamo.reset()`, which would drop a running engine's graphs: a compiled engine then refuses to
+    recompile, since its weights are packed for eager steps by then.)"""
+    codes = []
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        fn(*args)
+    return "\n".join(codes)
+
+
 @pytest.fixture(scope="module")
 def compiled(tiny_llama_dir):
     """(the compiled engine's LLM, the C++/Python code inductor generated for it at start-up)."""
-    llm, code = run_and_get_code(LLM, str(tiny_llama_dir), enforce_eager=False, **ENGINE)
-    return llm, "\n".join(code)
+    engines = []
+    code = generated_code(lambda: engines.append(LLM(str(tiny_llama_dir), enforce_eager=False, **ENGINE)))
+    return engines[0], code
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +97,7 @@ def test_kv_pool_is_written_in_place_not_copied(compiled):
         pool.copy_(pool * 2)
         return pool[:, :1].sum()
 
-    _, control = run_and_get_code(torch.compile(copy_whole), torch.zeros_like(llm.engine.kv_cache.k[0]))
-    assert f"{pool_size}L" in "\n".join(control)
+    assert f"{pool_size}L" in generated_code(torch.compile(copy_whole), torch.zeros_like(llm.engine.kv_cache.k[0]))
 
 
 def test_another_engine_in_the_same_process_gets_its_own_graphs(compiled, tmp_path, smollm2_tokenizer):

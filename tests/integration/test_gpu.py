@@ -19,3 +19,16 @@ def test_cuda_fp32_greedy_matches_transformers(tiny_llama):
         with torch.no_grad():
             ref = hf_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32, min_new_tokens=32)
         assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
+
+
+def test_cuda_graphs_decode_gives_eager_greedy_tokens(tiny_llama_dir):
+    """Decode steps replayed as CUDA graphs (batch padded to 1, 2, 4, ...; block tables to powers of two) give the
+    eager engine's tokens, one request at a time and batched."""
+    prompts = ["The capital of France is", "Once upon a time", "Hi", "a b c d e f g h i j k l m n o p q r s t u v w"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    options = dict(device="cuda", dtype="float32", max_model_len=512)
+    eager = [out.outputs[0].token_ids for out in LLM(str(tiny_llama_dir), **options).generate(prompts, params)]
+    llm = LLM(str(tiny_llama_dir), enforce_eager=False, **options)
+    assert llm.engine.runner.compiled.cuda_graphs
+    assert [out.outputs[0].token_ids for out in llm.generate(prompts, params)] == eager  # batch 4, then 3 ... 1
+    assert [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts] == eager
