@@ -1,6 +1,7 @@
 """torch.compile of the decode step (enforce_eager=False): the eager path's greedy tokens, the KV pool written in
 place, and every graph compiled at start-up (none while serving)."""
 
+import asyncio
 from unittest import mock
 
 import pytest
@@ -9,7 +10,8 @@ from conftest import make_tiny_llama
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._inductor.graph import GraphLowering
 
-from liteinfer import LLM, SamplingParams
+from liteinfer import LLM, AsyncLLM, SamplingParams
+from liteinfer.engine import async_llm
 from liteinfer.engine.compiled import CompiledDecoder
 from liteinfer.engine.scheduler import Scheduler
 
@@ -110,6 +112,19 @@ def test_another_engine_in_the_same_process_gets_its_own_graphs(compiled, tmp_pa
                                                                                                         GREEDY))
     first, _ = compiled
     assert token_ids(other.generate(prompts, GREEDY)) != token_ids(first.generate(prompts, GREEDY))
+
+
+def test_async_llm_drives_the_compiled_engine_from_its_worker_thread(compiled, eager, monkeypatch):
+    """AsyncLLM steps the engine on a thread of its own: the graphs compiled on the main thread serve it."""
+    llm, _ = compiled
+    monkeypatch.setattr(async_llm, "make_engine", lambda config: llm.engine)  # this engine, not a fresh compile
+
+    async def main():
+        async with AsyncLLM(str(llm.engine.config.model)) as server:
+            return await asyncio.gather(server.generate(PROMPTS[:3], GREEDY), server.generate(PROMPTS[3], GREEDY))
+
+    batched, single = asyncio.run(main())
+    assert token_ids(batched + single) == token_ids(eager.generate(PROMPTS[:4], GREEDY))
 
 
 def test_compile_with_tensor_parallelism_is_refused(tiny_llama_dir):
