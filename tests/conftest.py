@@ -90,6 +90,15 @@ def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     return directory
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For a module of tiny-model tests: with one torch thread, thread hand-offs stop costing more than the maths."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests need CUDA: without a device they are reported as skipped, never silently passed."""
     if torch.cuda.is_available():

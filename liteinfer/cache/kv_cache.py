@@ -13,8 +13,9 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device):
         # Heads outermost: gathering a batch's blocks then yields [kv_heads, seqs, tokens, dim], the layout the
         # attention matmuls read as is (5-20x faster decode attention on CPU than blocks outermost, measured).
-        # One tensor per layer rather than views of one: a compiled step then writes each in place, where views of
-        # one base would make torch.compile treat the whole pool as one input and copy it back after every step.
+        # One tensor per layer rather than views of one base: a compiled step (engine/compiled.py) then updates
+        # each layer's own input in place; views of one base are aliased inputs, which torch.compile's AOTAutograd
+        # merges into one synthetic base, the whole pool, when they are written.
         # Zeroed, not empty: attention multiplies masked-out (probability 0) slots by their values, and 0 * NaN
         # from uninitialised memory would poison the output.
         shape = (num_kv_heads, num_blocks, block_size, head_dim)

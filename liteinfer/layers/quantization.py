@@ -98,16 +98,19 @@ def quantize_linears(model: nn.Module, method: str) -> int:
     """
     count = 0
     for module in model.modules():
-        if isinstance(module, LMHead):
-            weight_cls = Int8Weight if method == "int4" else None
-        elif isinstance(module, Linear):
-            weight_cls = QUANTIZATION_METHODS[method]
-            if weight_cls is Int4Weight and not Int4Weight.fits(module.weight):
-                weight_cls = None
-        else:
-            weight_cls = None
+        weight_cls = _quantized_form(module, method)
         if weight_cls is not None:
             module.quantized = weight_cls.from_float(module.weight.data)
             module.weight = None  # the float copy is not needed any more
             count += 1
     return count
+
+
+def _quantized_form(module: nn.Module, method: str) -> type[Int8Weight] | type[Int4Weight] | None:
+    """What `module`'s weight becomes under `method`; None: it stays in floats."""
+    if isinstance(module, LMHead):
+        return Int8Weight if method == "int4" else None
+    if not isinstance(module, Linear):
+        return None
+    weight_cls = QUANTIZATION_METHODS[method]
+    return None if weight_cls is Int4Weight and not Int4Weight.fits(module.weight) else weight_cls

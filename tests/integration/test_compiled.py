@@ -15,6 +15,8 @@ from liteinfer.engine import async_llm
 from liteinfer.engine.compiled import CompiledDecoder
 from liteinfer.engine.scheduler import Scheduler
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SYSTEM = "You are a careful assistant. Answer briefly and say so when you are unsure. "
 # Shared prefixes (prefix-cache hits on the second call), a one-token prompt, one longer than a prefill chunk.
@@ -23,14 +25,6 @@ PROMPTS = [SYSTEM + "What is the capital of France?", SYSTEM + "Why is the sea s
 # 17 blocks of 16 tokens cannot hold every prompt and its 24 new tokens at once: the engine has to preempt. The odd
 # count also gives a layer's pool a size (2 KV heads x 17 x 16 x 16) no other tensor of this model has.
 ENGINE = dict(dtype="float32", num_kv_blocks=17, block_size=16, max_model_len=256, max_num_batched_tokens=64)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny model: thread hand-offs cost more than the maths
-    yield
-    torch.set_num_threads(threads)
 
 
 def generated_code(fn, *args) -> str:

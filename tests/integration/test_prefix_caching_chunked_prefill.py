@@ -1,9 +1,10 @@
 """Prefix caching and chunked prefill change how much is computed per step, never the tokens."""
 
 import pytest
-import torch
 
 from liteinfer import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SYSTEM = (
@@ -13,14 +14,6 @@ SYSTEM = (
 QUESTIONS = ["What is the capital of France?", "How do bees make honey?", "Why is the sea salty?"]
 # Shared long prefixes, an exact repeat, a prompt with nothing in common, and one far longer than the chunks.
 PROMPTS = [SYSTEM + q for q in QUESTIONS] + [SYSTEM + QUESTIONS[0], "Tell me a joke.", SYSTEM * 4 + "Summarise."]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny model: thread hand-offs cost more than the maths
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_llm(directory, **options) -> LLM:
