@@ -61,8 +61,8 @@ class CompiledDecoder:
             for pool in kv_cache.k + kv_cache.v:
                 torch._dynamo.mark_static_address(pool)
         # torch.compile keeps its graphs on the code object it compiles, and with module guards skipped it would not
-        # tell two models apart: a private copy of the code gives this model graphs of its own (and frees them with
-        # it), so another engine in the same process never runs with this one's frozen weights.
+        # tell two models apart: a private copy of the code gives this model graphs of its own, so another engine in
+        # the same process never runs with this one's frozen weights.
         code = _decode_logits.__code__.replace()
         self._compiled = torch.compile(
             types.FunctionType(code, _decode_logits.__globals__, _decode_logits.__name__),
