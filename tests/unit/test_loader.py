@@ -3,6 +3,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from liteinfer.models.base import DecoderForCausalLM
 from liteinfer.models.loader import _undo_rope_permutation, build_model, iter_checkpoint, load_weights
 from liteinfer.models.source import ModelSource
 
@@ -103,13 +104,7 @@ class PackedLinear(nn.Module):
 
 
 class TinyModel(nn.Module):
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = DecoderForCausalLM.packed_modules_mapping  # the mapping every real family loads with
 
     def __init__(self):
         super().__init__()
