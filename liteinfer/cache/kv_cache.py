@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from liteinfer import kernels
 from liteinfer.layers import PagedAttention
 
 
@@ -36,3 +37,5 @@ class KVCache:
             raise ValueError(f"model has {len(layers)} attention layers, the cache was sized for {len(self.k)}")
         for attn, k, v in zip(layers, self.k, self.v):
             attn.k_cache, attn.v_cache = k, v
+        if self.device.type == "cpu":
+            kernels.load()  # the decode attention that reads these pools where they lie

@@ -5,9 +5,11 @@ in the cache (prefill: context 0; decode: query 1; chunked prefill and prefix-ca
 are written into their slots first; then each query attends to its sequence's keys, read through the block table,
 at positions up to its own (and within the sliding window, for layers that have one).
 
-Single-token steps (decodes) are batched into one grouped matmul; each multi-token step (a prefill or a chunk of
-one) runs on its own through PyTorch's fused scaled-dot-product attention, so a long prefill never pads the decodes
-that share its step and never materialises its [queries, keys] score matrix.
+Single-token steps (decodes) are batched into one call: on CPU, our kernel that reads each sequence's blocks where
+they lie in the pool (liteinfer.kernels); elsewhere, or where it could not be built, a grouped matmul over a
+gathered copy of the blocks. Each multi-token step (a prefill or a chunk of one) runs on its own through PyTorch's
+fused scaled-dot-product attention, so a long prefill never pads the decodes that share its step and never
+materialises its [queries, keys] score matrix.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from liteinfer import kernels
 
 
 @dataclass
@@ -76,8 +80,7 @@ class PagedAttention(nn.Module):
         outputs = []
         decodes = meta.num_decodes
         if decodes:
-            keys, values = self._gather(meta.decode_block_tables)  # [kv_heads, decodes, keys, dim]
-            outputs.append(self._attend_decodes(q[:decodes], keys, values, meta.positions[:decodes]))
+            outputs.append(self._attend_decodes(q[:decodes], meta.decode_block_tables, meta.positions[:decodes]))
         for span in meta.prefills:
             positions = meta.positions[span.start : span.end]
             num_keys = int(positions[-1]) + 1
@@ -92,10 +95,21 @@ class PagedAttention(nn.Module):
         flat = block_tables.flatten()
         return self.k_cache.index_select(1, flat).view(shape), self.v_cache.index_select(1, flat).view(shape)
 
-    def _attend_decodes(
+    def _attend_decodes(self, q: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence, q: [D, heads, dim] -> [D, heads * dim]."""
+        if q.is_cpu and kernels.available():
+            out = torch.ops.liteinfer.paged_decode_attention(
+                q, self.k_cache, self.v_cache, block_tables, positions, self.scale, self.sliding_window or 0,
+                self.logit_softcap or 0.0,
+            )
+            return out.flatten(1)
+        keys, values = self._gather(block_tables)  # [kv_heads, D, keys, dim]
+        return self._attend_gathered_decodes(q, keys, values, positions)
+
+    def _attend_gathered_decodes(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
-        """One new token per sequence, q: [D, heads, dim]; keys, values: [kv_heads, D, L, dim] (key j at position j).
+        """q: [D, heads, dim]; keys, values: [kv_heads, D, L, dim] (key j at position j) -> [D, heads * dim].
 
         Query heads that share a KV head are stacked into one matrix, so each KV head is read once: GQA becomes
         [kv_heads, D, group, dim] @ [kv_heads, D, dim, L]. Softmax runs in fp32.

@@ -1,0 +1,69 @@
+"""Kernels of our own, in C++, for what PyTorch has no fast op for: on CPU, decode attention that reads the paged
+KV pool in place.
+
+Contract: `load()` compiles the sources next to this file with the machine's C++ compiler (torch's extension
+builder; the first time only, then cached under TORCH_EXTENSIONS_DIR) and registers their ops under
+`torch.ops.liteinfer`, each with a fake implementation so that `torch.compile` traces through it. Where they cannot
+be built (no compiler), `load()` logs why and returns False, and callers keep the plain PyTorch path: the same
+arithmetic, which tests/unit/test_paged_attention_kernel.py holds every op to. `available()` only reports what
+`load()` did, so that a traced forward can ask without building anything.
+
+`paged_decode_attention(q [seqs, heads, dim], k_cache, v_cache [kv_heads, blocks, block_size, dim],
+block_tables [seqs, width] int64, positions [seqs] int64, scale, sliding_window (0: none), softcap (0: none))`
+-> [seqs, heads, dim]: each query attends to keys 0..its position (the last `sliding_window` of them when set) of
+its sequence, read through its block table; grouped query heads share a KV head; softmax in fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_loaded: bool | None = None  # None until load() has run
+
+
+def load() -> bool:
+    """Build (first time only) and register the ops; False, with a warning logged, where they cannot be built."""
+    global _loaded
+    if _loaded is None:
+        try:
+            _build()
+            _loaded = True
+        except Exception as exc:  # no compiler, or a broken tool chain: the PyTorch path still works
+            logger.warning("liteinfer's CPU kernels could not be built, using the PyTorch path instead: %s", exc)
+            _loaded = False
+    return _loaded
+
+
+def available() -> bool:
+    return bool(_loaded)
+
+
+def _build() -> None:
+    import ninja
+    from torch.utils import cpp_extension
+
+    logger.info("loading liteinfer's CPU kernels (compiled on first use, then cached)")
+    # torch's builder runs `ninja` from PATH, which need not name the environment's own (a venv used without
+    # activating it).
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
+    cpp_extension.load(
+        name="liteinfer_cpu_kernels",
+        sources=[str(Path(__file__).with_name("paged_attention.cpp"))],
+        # -march=native: built on the machine that runs it. -ffast-math lets the compiler vectorise exp and
+        # reassociate sums; the kernel has no infinities or NaNs to keep (scores start from the lowest float).
+        extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+    )
+
+    @torch.library.register_fake("liteinfer::paged_decode_attention")
+    def _(q, k_cache, v_cache, block_tables, positions, scale, sliding_window, softcap):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -1,0 +1,172 @@
+// Decode attention over the paged KV cache, reading each key and value row where it lies in the pool: one pass
+// over a sequence's keys, one over its values, no gathered copy of either. Registered (CPU) as
+// torch.ops.liteinfer.paged_decode_attention; liteinfer/kernels/__init__.py builds it and gives its contract.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Widens a cache row to fp32. bf16 is spelled as the bit shift it is, so that the compiler vectorises it.
+template <typename scalar_t>
+inline void to_float(const scalar_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* wide = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) wide[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+// a·b over n floats. Compilers reduce an auto-vectorised sum one lane at a time (a chain of 16 scalar adds per key:
+// the kernel's hot spot when measured), so the AVX-512 build reduces the vector as a tree.
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// kDim > 0 fixes the head size at compile time, so the loops over it unroll; 0 reads it from q.
+template <typename scalar_t, int64_t kDim>
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& positions, at::Tensor& out, double scale,
+                      int64_t sliding_window, double softcap) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), dim = kDim > 0 ? kDim : q.size(2);
+  const int64_t kv_heads = k_cache.size(0), block_size = k_cache.size(2);
+  const int64_t group = num_heads / kv_heads, table_width = block_tables.size(1);
+  const int64_t head_stride = k_cache.size(1) * block_size * dim;  // between KV heads in a pool
+  const scalar_t* q_data = q.data_ptr<scalar_t>();
+  const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  scalar_t* out_data = out.data_ptr<scalar_t>();
+
+  // One task per (sequence, KV head): the query heads of its group share every row read.
+  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(group * dim), row(dim), acc(group * dim), scores, max_score(group), denom(group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / kv_heads, kv_head = task % kv_heads;
+      const int64_t num_keys = pos[seq] + 1;  // keys 0..pos, the new token's own included
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, num_keys - sliding_window) : 0;
+      const int64_t span = num_keys - first;
+      const int64_t* table = tables + seq * table_width;
+      const int64_t head = seq * num_heads + kv_head * group;  // the group's first query head
+      auto block_of = [&](const scalar_t* pool, int64_t start) {
+        return pool + kv_head * head_stride + table[start / block_size] * block_size * dim;
+      };
+      // Blocks lie anywhere in the pool, so the hardware prefetcher cannot run ahead of us across them: the next
+      // block is requested by hand while this one is read (measured: DRAM-latency bound without it).
+      auto prefetch = [&](const scalar_t* block) {
+        const char* bytes = reinterpret_cast<const char*>(block);
+        for (int64_t b = 0; b < block_size * dim * static_cast<int64_t>(sizeof(scalar_t)); b += 64)
+          __builtin_prefetch(bytes + b);
+      };
+      // Visits the rows of keys first..num_keys-1 in order as (index from first, row): one table lookup a block.
+      // `also` is the other pool, whose block of the same keys is prefetched for the pass that follows.
+      auto for_each_row = [&](const scalar_t* pool, const scalar_t* also, auto&& visit) {
+        const int64_t first_block = first - first % block_size;
+        prefetch(block_of(pool, first_block));
+        for (int64_t start = first_block; start < num_keys; start += block_size) {
+          if (start + block_size < num_keys) prefetch(block_of(pool, start + block_size));
+          if (also != nullptr) prefetch(block_of(also, start));
+          const scalar_t* block = block_of(pool, start);
+          for (int64_t j = std::max(start, first); j < std::min(start + block_size, num_keys); ++j)
+            visit(j - first, block + (j - start) * dim);
+        }
+      };
+
+      to_float(q_data + head * dim, query.data(), group * dim);
+      for (float& x : query) x *= static_cast<float>(scale);
+      scores.resize(group * span);
+      std::fill(max_score.begin(), max_score.end(), std::numeric_limits<float>::lowest());
+      for_each_row(k_data, v_data, [&](int64_t j, const scalar_t* key) {
+        to_float(key, row.data(), dim);
+        for (int64_t g = 0; g < group; ++g) {
+          float s = dot(query.data() + g * dim, row.data(), dim);
+          if (softcap > 0) s = static_cast<float>(std::tanh(s / softcap) * softcap);
+          scores[g * span + j] = s;
+          max_score[g] = std::max(max_score[g], s);
+        }
+      });
+      for (int64_t g = 0; g < group; ++g) {  // softmax numerators, in fp32
+        float* sg = scores.data() + g * span;
+        const float m = max_score[g];
+        float sum = 0.f;
+        for (int64_t j = 0; j < span; ++j) {
+          sg[j] = std::exp(sg[j] - m);
+          sum += sg[j];
+        }
+        denom[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for_each_row(v_data, nullptr, [&](int64_t j, const scalar_t* value) {
+        to_float(value, row.data(), dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * span + j];
+          float* ag = acc.data() + g * dim;
+          for (int64_t d = 0; d < dim; ++d) ag[d] += p * row[d];
+        }
+      });
+      for (int64_t g = 0; g < group; ++g) {
+        scalar_t* dst = out_data + (head + g) * dim;
+        const float inv = 1.f / denom[g];
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * dim + d] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& positions, double scale,
+                                  int64_t sliding_window, double softcap) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "expected q [seqs, heads, dim] and K/V pools [kv_heads, blocks, block_size, dim]");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(0) == 0,
+              "q's head size or head count does not fit the pools");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the pools must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pools must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
+              "block tables and positions must be int64");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && positions.numel() == q.size(0),
+              "one block table and one position per query");
+  const at::Tensor q_ = q.contiguous(), tables = block_tables.contiguous(), pos = positions.contiguous();
+  at::Tensor out = at::empty_like(q_);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    switch (q.size(2)) {
+      case 64: return decode_attention<scalar_t, 64>(q_, k_cache, v_cache, tables, pos, out, scale, sliding_window,
+                                                    softcap);
+      case 128: return decode_attention<scalar_t, 128>(q_, k_cache, v_cache, tables, pos, out, scale,
+                                                      sliding_window, softcap);
+      default: return decode_attention<scalar_t, 0>(q_, k_cache, v_cache, tables, pos, out, scale, sliding_window,
+                                                   softcap);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(liteinfer, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor positions, "
+        "float scale, int sliding_window, float softcap) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(liteinfer, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,0 +1,68 @@
+"""The CPU decode-attention kernel (liteinfer/kernels) against the PyTorch path it replaces: the same attention over
+a gathered copy of each sequence's blocks, on random pools, block tables and positions."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from liteinfer import kernels
+from liteinfer.layers import PagedAttention
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def test_kernel_builds_here():
+    # The suite must exercise the kernel, not pass on the fallback because the build broke.
+    assert kernels.load()
+    assert kernels.available()
+
+
+def make_case(data, dtype, kv_heads, group, dim, block_size, window, softcap):
+    attn = PagedAttention(kv_heads * group, kv_heads, dim, dim**-0.5, sliding_window=window, logit_softcap=softcap)
+    num_blocks = 24
+    attn.k_cache = torch.randn(kv_heads, num_blocks, block_size, dim).to(dtype)
+    attn.v_cache = torch.randn(kv_heads, num_blocks, block_size, dim).to(dtype)
+    num_seqs = data.draw(st.integers(1, 5), label="seqs")
+    width = data.draw(st.integers(1, num_blocks // num_seqs), label="table width")
+    # Each sequence owns distinct blocks, in random order across the pool; a position may fall anywhere in its table.
+    tables = torch.randperm(num_blocks)[: num_seqs * width].view(num_seqs, width)
+    positions = torch.tensor([data.draw(st.integers(0, width * block_size - 1)) for _ in range(num_seqs)])
+    q = torch.randn(num_seqs, kv_heads * group, dim).to(dtype)
+    return attn, q, tables, positions
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 4),
+    dim=st.sampled_from([64, 128, 40]),  # 40: the run-time head size, with a tail shorter than a vector
+    block_size=st.sampled_from([1, 4, 16]),
+    window=st.one_of(st.none(), st.integers(1, 20)),
+    softcap=st.one_of(st.none(), st.floats(5.0, 50.0)),
+)
+def test_kernel_matches_attention_over_gathered_blocks(data, dtype, kv_heads, group, dim, block_size, window, softcap):
+    assert kernels.load()
+    attn, q, tables, positions = make_case(data, dtype, kv_heads, group, dim, block_size, window, softcap)
+
+    out = attn._attend_decodes(q, tables, positions)  # the kernel, on CPU
+    keys, values = attn._gather(tables)
+    expected = attn._attend_gathered_decodes(q, keys, values, positions)
+
+    assert out.dtype == dtype and out.shape == expected.shape
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_kernel_refuses_mismatched_inputs():
+    assert kernels.load()
+    pool = torch.zeros(2, 4, 4, 8)
+    tables, positions = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    op = torch.ops.liteinfer.paged_decode_attention
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        op(torch.zeros(1, 2, 8, dtype=torch.bfloat16), pool, pool, tables, positions, 1.0, 0, 0.0)
+    with pytest.raises(RuntimeError, match="head size or head count"):
+        op(torch.zeros(1, 3, 8), pool, pool, tables, positions, 1.0, 0, 0.0)
+    with pytest.raises(RuntimeError, match="one block table and one position per query"):
+        op(torch.zeros(2, 2, 8), pool, pool, tables, positions, 1.0, 0, 0.0)
