@@ -140,9 +140,12 @@ class PagedAttention(nn.Module):
             # mask (the kernel's is_causal aligns the first query with the first key, not with its position).
             plain_causal = self.sliding_window is None and num_keys == num_new
             mask = None if plain_causal else ~self._hidden_keys(positions, num_keys)
+            # A batch dimension of one: on CPU, 3-d inputs fall back to the unfused math path (measured: a
+            # 1000-token prompt's layer 49 ms, against 10 ms through the flash kernel that 4-d inputs get).
             out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=plain_causal, scale=self.scale, enable_gqa=True
-            )
+                q[None], keys[None], values[None], attn_mask=mask, is_causal=plain_causal, scale=self.scale,
+                enable_gqa=True,
+            )[0]
         return out.transpose(0, 1).reshape(num_new, self.num_heads * self.head_dim)
 
     def _hidden_keys(self, query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
