@@ -66,3 +66,22 @@ def test_kernel_refuses_mismatched_inputs():
         op(torch.zeros(1, 3, 8), pool, pool, tables, positions, 1.0, 0, 0.0)
     with pytest.raises(RuntimeError, match="one block table and one position per query"):
         op(torch.zeros(2, 2, 8), pool, pool, tables, positions, 1.0, 0, 0.0)
+
+
+def test_engine_gives_the_same_tokens_on_the_fallback_path(tiny_llama_dir, monkeypatch):
+    """Where the kernel cannot be built, attention takes the gathered-copy path: the engine's greedy tokens do not
+    change (several sequences decoding together, contexts spanning several blocks)."""
+    from liteinfer import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(100 + i, 100 + i + 5 * (i + 1)))} for i in range(4)]
+    engine = dict(dtype="float32", num_kv_blocks=64, block_size=8, max_model_len=256)
+
+    def generate():
+        return [o.outputs[0].token_ids for o in LLM(str(tiny_llama_dir), **engine).generate(prompts, params)]
+
+    assert kernels.load()
+    with_kernel = generate()
+    monkeypatch.setattr(kernels, "_loaded", False)  # as load() leaves it after a failed build
+    assert not kernels.available()
+    assert generate() == with_kernel
