@@ -58,35 +58,50 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t* pos = positions.data_ptr<int64_t>();
   scalar_t* out_data = out.data_ptr<scalar_t>();
 
-  // One task per (sequence, KV head): the query heads of its group share every row read.
+  // Blocks lie anywhere in the pool, so the hardware prefetcher cannot run ahead across them: they are requested
+  // by hand (measured: DRAM-latency bound without it). Each task asks for the next task's blocks when it starts,
+  // and for its next K block and its V block as it reads K.
+  auto prefetch = [&](const scalar_t* block) {
+    const char* bytes = reinterpret_cast<const char*>(block);
+    for (int64_t b = 0; b < block_size * dim * static_cast<int64_t>(sizeof(scalar_t)); b += 64)
+      __builtin_prefetch(bytes + b);
+  };
+  // A task is one (sequence, KV head); it reads keys first..num_keys-1 of its sequence.
+  struct Task {
+    int64_t seq, kv_head, first, num_keys;
+  };
+  auto task_at = [&](int64_t task) {
+    const int64_t seq = task / kv_heads, num_keys = pos[seq] + 1;  // keys 0..pos, the new token's own included
+    return Task{seq, task % kv_heads, sliding_window > 0 ? std::max<int64_t>(0, num_keys - sliding_window) : 0,
+                num_keys};
+  };
+  auto block_of = [&](const scalar_t* pool, const Task& t, int64_t start) {
+    return pool + t.kv_head * head_stride + tables[t.seq * table_width + start / block_size] * block_size * dim;
+  };
+
+  // The query heads of a task's group share every row read.
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * dim), row(dim), acc(group * dim), scores, max_score(group), denom(group);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / kv_heads, kv_head = task % kv_heads;
-      const int64_t num_keys = pos[seq] + 1;  // keys 0..pos, the new token's own included
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, num_keys - sliding_window) : 0;
-      const int64_t span = num_keys - first;
-      const int64_t* table = tables + seq * table_width;
-      const int64_t head = seq * num_heads + kv_head * group;  // the group's first query head
-      auto block_of = [&](const scalar_t* pool, int64_t start) {
-        return pool + kv_head * head_stride + table[start / block_size] * block_size * dim;
-      };
-      // Blocks lie anywhere in the pool, so the hardware prefetcher cannot run ahead of us across them: the next
-      // block is requested by hand while this one is read (measured: DRAM-latency bound without it).
-      auto prefetch = [&](const scalar_t* block) {
-        const char* bytes = reinterpret_cast<const char*>(block);
-        for (int64_t b = 0; b < block_size * dim * static_cast<int64_t>(sizeof(scalar_t)); b += 64)
-          __builtin_prefetch(bytes + b);
-      };
+      const Task t = task_at(task);
+      const int64_t first = t.first, num_keys = t.num_keys, span = num_keys - first;
+      const int64_t head = t.seq * num_heads + t.kv_head * group;  // the group's first query head
+      if (task + 1 < end) {
+        const Task next = task_at(task + 1);
+        for (int64_t start = next.first - next.first % block_size; start < next.num_keys; start += block_size) {
+          prefetch(block_of(k_data, next, start));
+          prefetch(block_of(v_data, next, start));
+        }
+      }
       // Visits the rows of keys first..num_keys-1 in order as (index from first, row): one table lookup a block.
       // `also` is the other pool, whose block of the same keys is prefetched for the pass that follows.
       auto for_each_row = [&](const scalar_t* pool, const scalar_t* also, auto&& visit) {
         const int64_t first_block = first - first % block_size;
-        prefetch(block_of(pool, first_block));
+        prefetch(block_of(pool, t, first_block));
         for (int64_t start = first_block; start < num_keys; start += block_size) {
-          if (start + block_size < num_keys) prefetch(block_of(pool, start + block_size));
-          if (also != nullptr) prefetch(block_of(also, start));
-          const scalar_t* block = block_of(pool, start);
+          if (start + block_size < num_keys) prefetch(block_of(pool, t, start + block_size));
+          if (also != nullptr) prefetch(block_of(also, t, start));
+          const scalar_t* block = block_of(pool, t, start);
           for (int64_t j = std::max(start, first); j < std::min(start + block_size, num_keys); ++j)
             visit(j - first, block + (j - start) * dim);
         }
