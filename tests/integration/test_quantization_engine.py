@@ -35,9 +35,11 @@ def test_quantization_on_cuda_is_refused(tiny_llama_dir):
 
 
 @pytest.mark.slow
-def test_smollm2_int8_agrees_with_bf16_as_closely_as_fp32_does():
-    """Greedy agreement with bf16, measured as the tokens generated before the first divergence. Rounding alone
-    (fp32 vs bf16) already flips this model's near-ties, so int8 is held to that yardstick, not to identity."""
+def test_smollm2_int8_agrees_with_fp32_as_closely_as_bf16_does():
+    """Greedy agreement with the fp32 model, measured as the tokens generated before the first divergence. int8
+    weights are compared with the same model's fp32 weights (activations in fp32 for both), so the quantization is
+    all that differs. Rounding alone (bf16) already flips this model's near-ties, so int8 is held to that
+    yardstick, not to identity."""
     questions = ["What is the capital of France?", "Write a haiku about the ocean.", "What is 12 times 7?",
                  "Explain photosynthesis in simple terms.", "Translate 'good morning' into Spanish.",
                  "List three tips for staying productive.", "Why is the sky blue?", "Name a famous painter."]
@@ -51,10 +53,10 @@ def test_smollm2_int8_agrees_with_bf16_as_closely_as_fp32_does():
     def matched(a, b):
         return sum(next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s)) for s, t in zip(a, b))
 
-    bf16 = tokens(dtype="bfloat16")
-    int8_matched = matched(bf16, tokens(dtype="bfloat16", quantization="int8"))
-    fp32_matched = matched(bf16, tokens(dtype="float32"))
-    print(f"tokens before the first divergence from bf16 (of {8 * 48}): int8 {int8_matched}, fp32 {fp32_matched}")
-    assert int8_matched >= 0.5 * fp32_matched
+    fp32 = tokens(dtype="float32")
+    int8_matched = matched(fp32, tokens(dtype="float32", quantization="int8"))
+    bf16_matched = matched(fp32, tokens(dtype="bfloat16"))
+    print(f"tokens before the first divergence from fp32 (of {8 * 48}): int8 {int8_matched}, bf16 {bf16_matched}")
+    assert int8_matched >= 0.5 * bf16_matched
     int4 = LLM(**budget, dtype="bfloat16", quantization="int4").chat(conversations[:1], params)[0]
     assert "Paris" in int4.outputs[0].text
