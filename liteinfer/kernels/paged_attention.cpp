@@ -60,7 +60,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 
   // Blocks lie anywhere in the pool, so the hardware prefetcher cannot run ahead across them: they are requested
   // by hand (measured: DRAM-latency bound without it). Each task asks for the next task's blocks when it starts,
-  // and for its next K block and its V block as it reads K.
+  // and for its next K block and its V blocks as it reads K.
   auto prefetch = [&](const scalar_t* block) {
     const char* bytes = reinterpret_cast<const char*>(block);
     for (int64_t b = 0; b < block_size * dim * static_cast<int64_t>(sizeof(scalar_t)); b += 64)
@@ -81,7 +81,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 
   // The query heads of a task's group share every row read.
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * dim), row(dim), acc(group * dim), scores, max_score(group), denom(group);
+    std::vector<float> query(group * dim), row(dim), vblock(block_size * dim), acc(group * dim), scores;
+    std::vector<float> max_score(group), denom(group);
     for (int64_t task = begin; task < end; ++task) {
       const Task t = task_at(task);
       const int64_t first = t.first, num_keys = t.num_keys, span = num_keys - first;
@@ -93,33 +94,27 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           prefetch(block_of(v_data, next, start));
         }
       }
-      // Visits the rows of keys first..num_keys-1 in order as (index from first, row): one table lookup a block.
-      // `also` is the other pool, whose block of the same keys is prefetched for the pass that follows.
-      auto for_each_row = [&](const scalar_t* pool, const scalar_t* also, auto&& visit) {
-        const int64_t first_block = first - first % block_size;
-        prefetch(block_of(pool, t, first_block));
-        for (int64_t start = first_block; start < num_keys; start += block_size) {
-          if (start + block_size < num_keys) prefetch(block_of(pool, t, start + block_size));
-          if (also != nullptr) prefetch(block_of(also, t, start));
-          const scalar_t* block = block_of(pool, t, start);
-          for (int64_t j = std::max(start, first); j < std::min(start + block_size, num_keys); ++j)
-            visit(j - first, block + (j - start) * dim);
-        }
-      };
-
       to_float(q_data + head * dim, query.data(), group * dim);
       for (float& x : query) x *= static_cast<float>(scale);
       scores.resize(group * span);
       std::fill(max_score.begin(), max_score.end(), std::numeric_limits<float>::lowest());
-      for_each_row(k_data, v_data, [&](int64_t j, const scalar_t* key) {
-        to_float(key, row.data(), dim);
-        for (int64_t g = 0; g < group; ++g) {
-          float s = dot(query.data() + g * dim, row.data(), dim);
-          if (softcap > 0) s = static_cast<float>(std::tanh(s / softcap) * softcap);
-          scores[g * span + j] = s;
-          max_score[g] = std::max(max_score[g], s);
+      const int64_t first_block = first - first % block_size;
+      // Keys, row by row, while the next K block and this block's values are requested: the scores.
+      prefetch(block_of(k_data, t, first_block));
+      for (int64_t start = first_block; start < num_keys; start += block_size) {
+        if (start + block_size < num_keys) prefetch(block_of(k_data, t, start + block_size));
+        prefetch(block_of(v_data, t, start));
+        const scalar_t* block = block_of(k_data, t, start);
+        for (int64_t j = std::max(start, first); j < std::min(start + block_size, num_keys); ++j) {
+          to_float(block + (j - start) * dim, row.data(), dim);
+          for (int64_t g = 0; g < group; ++g) {
+            float s = dot(query.data() + g * dim, row.data(), dim);
+            if (softcap > 0) s = static_cast<float>(std::tanh(s / softcap) * softcap);
+            scores[g * span + j - first] = s;
+            max_score[g] = std::max(max_score[g], s);
+          }
         }
-      });
+      }
       for (int64_t g = 0; g < group; ++g) {  // softmax numerators, in fp32
         float* sg = scores.data() + g * span;
         const float m = max_score[g];
@@ -131,14 +126,26 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         denom[g] = sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_row(v_data, nullptr, [&](int64_t j, const scalar_t* value) {
-        to_float(value, row.data(), dim);
+      // Values a block at a time: its rows widened once, then each query head sums them (with the head size fixed
+      // at compile time, in registers).
+      for (int64_t start = first_block; start < num_keys; start += block_size) {
+        const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
+        to_float(block_of(v_data, t, start) + (lo - start) * dim, vblock.data(), (hi - lo) * dim);
         for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * span + j];
+          const float* p = scores.data() + g * span + (lo - first);
           float* ag = acc.data() + g * dim;
-          for (int64_t d = 0; d < dim; ++d) ag[d] += p * row[d];
+          if constexpr (kDim > 0) {
+            float a[kDim];
+            for (int64_t d = 0; d < kDim; ++d) a[d] = ag[d];
+            for (int64_t r = 0; r < hi - lo; ++r)
+              for (int64_t d = 0; d < kDim; ++d) a[d] += p[r] * vblock[r * kDim + d];
+            for (int64_t d = 0; d < kDim; ++d) ag[d] = a[d];
+          } else {
+            for (int64_t r = 0; r < hi - lo; ++r)
+              for (int64_t d = 0; d < dim; ++d) ag[d] += p[r] * vblock[r * dim + d];
+          }
         }
-      });
+      }
       for (int64_t g = 0; g < group; ++g) {
         scalar_t* dst = out_data + (head + g) * dim;
         const float inv = 1.f / denom[g];
