@@ -17,8 +17,9 @@ class KVCache:
         # One tensor per layer rather than views of one base: a compiled step (engine/compiled.py) then updates
         # each layer's own input in place; views of one base are aliased inputs, which torch.compile's AOTAutograd
         # merges into one synthetic base, the whole pool, when they are written.
-        # Zeroed, not empty: attention multiplies masked-out (probability 0) slots by their values, and 0 * NaN
-        # from uninitialised memory would poison the output.
+        # Zeroed, not empty: attention over a gathered copy (CUDA, or CPU without liteinfer.kernels) multiplies
+        # masked-out (probability 0) slots by their values, and 0 * NaN from uninitialised memory would poison the
+        # output. The CPU kernel never reads past a sequence's position.
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -93,7 +93,7 @@ def quantize_linears(model: nn.Module, method: str) -> int:
     int4 is the latency option, so its LM head, a fifth of SmolLM2's weights, is quantized as well, to int8: on
     SmolLM2, 0.8 ms less per token (6.9 -> 6.1 ms compiled); with an int4 head the model repeated one token. int8
     keeps a float head: an int8 head halved its greedy agreement with bf16 (192 -> 95 tokens before the first
-    divergence, of 384; tests/integration/test_quantization_engine.py). A layer whose shape the int4 kernel cannot
+    divergence, of 384; docs/benchmarks.md, "What was tried"). A layer whose shape the int4 kernel cannot
     take keeps its float weight; the embeddings stay in the model's dtype (a tied head gets a quantized copy).
     """
     count = 0
