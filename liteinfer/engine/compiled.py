@@ -5,10 +5,12 @@ run the eager model: their span structure changes every step (a recompile each t
 enough that a graph gains little over eager.
 
 What the graph does differently from eager, and why:
-- Weights are folded in by inductor's freezing, which prepacks every linear for oneDNN. Tracing needs plain
-  tensors, so the model comes with plain float weights (`ShardSpec.build_model(prepack=False)`); once `warm_up`
-  has compiled, the engine prepacks the model's own weights for the eager steps (the graphs never read them
-  again), and any later recompile, which could not trace them, is refused.
+- Weights are folded in by inductor's freezing, which prepacks every linear of the batched graph for oneDNN. The
+  batch-of-one graph's linears call our GEMV kernel (`layers/linear.py: linear`, `kernels/gemv.cpp`) on the plain
+  weights instead, faster than oneDNN at one row. Tracing needs plain tensors, so the model comes with plain float
+  weights (`ShardSpec.build_model(prepack=False)`); once `warm_up` has compiled, the engine prepacks the model's
+  own weights for the eager steps (the graphs never read them again), and any later recompile, which could not
+  trace them, is refused.
 - Each layer's K/V pool tensor is written in place by the graph (an `index_copy_` that inductor keeps in place on
   the graph input), never copied; tests/integration/test_compiled.py checks the pool is not copied.
 - The batch size and the block-table width are dynamic, except that a batch of one gets a graph of its own (torch
@@ -96,14 +98,9 @@ class CompiledDecoder:
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's logits are consumed
         meta = replace(meta, positions=positions, slot_mapping=slots, decode_block_tables=tables)
-        with (
-            torch._inductor.config.patch(freezing=True),
-            # Without it, a batch that happens to equal the table width at the first compile would tie the two.
-            torch.fx.experimental._config.patch(use_duck_shape=False),
-            # After warm-up the model's weights are prepacked for eager steps, which the compiler cannot trace:
-            # an unplanned shape must fail loudly rather than recompile.
-            torch.compiler.set_stance("fail_on_recompile" if self.warmed_up else "default"),
-        ):
+        # After warm-up the model's weights are prepacked for eager steps, which the compiler cannot trace: an
+        # unplanned shape must fail loudly rather than recompile.
+        with torch.compiler.set_stance("fail_on_recompile" if self.warmed_up else "default"):
             return self._compiled(self.model, input_ids, positions, meta)[:batch]
 
     @torch.inference_mode()
@@ -112,14 +109,22 @@ class CompiledDecoder:
         before any sequence holds a block."""
         logger.info("compiling the decode step (torch.compile, two graphs)...")
         start = time.perf_counter()
-        for batch in (1, 2):
-            ids = torch.zeros(batch, dtype=torch.long, device=device)
-            meta = AttentionMetadata(
-                slot_mapping=ids.clone(),
-                positions=ids.clone(),
-                decode_block_tables=torch.zeros(batch, 2, dtype=torch.long, device=device),
-                prefills=[],
-            )
-            self(StepInputs(ids, meta, torch.arange(batch, device=device)))
+        # Compile-time settings, so they are needed here only.
+        with (
+            # The generated code's checks of every buffer's size and alignment: ~200 Python calls per step, on
+            # tensors that dynamo's guards and the kernels' own checks already cover.
+            torch._inductor.config.patch(freezing=True, size_asserts=False, alignment_asserts=False),
+            # Without it, a batch that happens to equal the table width at the first compile would tie the two.
+            torch.fx.experimental._config.patch(use_duck_shape=False),
+        ):
+            for batch in (1, 2):
+                ids = torch.zeros(batch, dtype=torch.long, device=device)
+                meta = AttentionMetadata(
+                    slot_mapping=ids.clone(),
+                    positions=ids.clone(),
+                    decode_block_tables=torch.zeros(batch, 2, dtype=torch.long, device=device),
+                    prefills=[],
+                )
+                self(StepInputs(ids, meta, torch.arange(batch, device=device)))
         self.warmed_up = True
         logger.info("decode step compiled in %.0f s", time.perf_counter() - start)

@@ -1,5 +1,5 @@
-"""Kernels of our own, in C++, for what PyTorch has no fast op for: on CPU, decode attention that reads the paged
-KV pool in place.
+"""Kernels of our own, in C++, for what PyTorch has no fast op for on CPU: decode attention that reads the paged KV
+pool in place, and the one-row matmul of a single sequence's decode step.
 
 Contract: `load()` compiles the sources next to this file with the machine's C++ compiler (torch's extension
 builder; the first time only, then cached under TORCH_EXTENSIONS_DIR) and registers their ops under
@@ -12,6 +12,9 @@ arithmetic, which tests/unit/test_paged_attention_kernel.py holds every op to. `
 block_tables [seqs, width] int64, positions [seqs] int64, scale, sliding_window (0: none), softcap (0: none))`
 -> [seqs, heads, dim]: each query attends to keys 0..its position (the last `sliding_window` of them when set) of
 its sequence, read through its block table; grouped query heads share a KV head; softmax in fp32.
+
+`gemv(x [1, in], weight [out, in] contiguous, bias [out] or None)` -> [1, out] = x weight^T (+ bias), all in one
+dtype, summed in fp32.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def _build() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
     cpp_extension.load(
         name="liteinfer_cpu_kernels",
-        sources=[str(Path(__file__).with_name("paged_attention.cpp"))],
+        sources=[str(Path(__file__).with_name(name)) for name in ("paged_attention.cpp", "gemv.cpp")],
         # -march=native: built on the machine that runs it. -ffast-math lets the compiler vectorise exp and
         # reassociate sums; the kernel has no infinities or NaNs to keep (scores start from the lowest float).
         extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
@@ -67,3 +70,7 @@ def _build() -> None:
     @torch.library.register_fake("liteinfer::paged_decode_attention")
     def _(q, k_cache, v_cache, block_tables, positions, scale, sliding_window, softcap):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("liteinfer::gemv")
+    def _(x, weight, bias):
+        return x.new_empty(1, weight.shape[0])

@@ -14,6 +14,7 @@ from liteinfer import LLM, AsyncLLM, SamplingParams
 from liteinfer.engine import async_llm
 from liteinfer.engine.compiled import CompiledDecoder
 from liteinfer.engine.scheduler import Scheduler
+from liteinfer.layers.linear import Linear
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -79,6 +80,13 @@ def test_graphs_are_compiled_at_start_up_only(compiled):
     llm.generate(PROMPTS, GREEDY)
     llm.generate(PROMPTS[:1], GREEDY)
     assert len(_debug_get_cache_entry_list(code)) == 2  # new batch sizes and context lengths: no recompile
+
+
+def test_batch_of_one_multiplies_through_the_gemv_kernel(compiled):
+    """Every linear of the batch-of-one graph, LM head included, streams its weights through kernels/gemv.cpp."""
+    llm, code = compiled
+    num_linears = sum(isinstance(m, Linear) for m in llm.engine.runner.model.modules()) + 1  # + the LM head
+    assert code.count("torch.ops.liteinfer.gemv.default(") == num_linears
 
 
 def test_kv_pool_is_written_in_place_not_copied(compiled):

@@ -1,0 +1,75 @@
+"""The one-row matmul kernel (liteinfer/kernels/gemv.cpp) against PyTorch's fp32 linear, and `linear` taking it
+for one-row inputs on plain CPU weights."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.profiler import profile
+
+from liteinfer import kernels
+from liteinfer.layers.linear import linear
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    out_features=st.integers(1, 40),  # below, at and past multiples of the kernel's 8 rows per pass
+    in_features=st.integers(1, 100),  # tails shorter than a vector, of 16 fp32 or 32 bf16 values
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_gemv_matches_fp32_linear(out_features, in_features, dtype, with_bias, seed):
+    assert kernels.load()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, in_features, generator=gen).to(dtype)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
+
+    out = torch.ops.liteinfer.gemv(x, weight, bias)
+
+    # The same inputs, multiplied and summed in fp32, then rounded once to the output dtype, as the kernel does.
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(dtype)
+    assert out.dtype == dtype and out.shape == (1, out_features)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    else:  # the fp32 sums differ in order only; rounding them to bf16 can then land one step (2^-8) apart
+        torch.testing.assert_close(out.float(), expected.float(), atol=1e-6, rtol=2**-8)
+
+
+def test_gemv_refuses_mismatched_inputs():
+    assert kernels.load()
+    gemv = torch.ops.liteinfer.gemv
+    weight = torch.zeros(4, 8)
+    with pytest.raises(RuntimeError, match=r"x \[1, in\] and weight \[out, in\]"):
+        gemv(torch.zeros(2, 8), weight, None)
+    with pytest.raises(RuntimeError, match=r"x \[1, in\] and weight \[out, in\]"):
+        gemv(torch.zeros(1, 7), weight, None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        gemv(torch.zeros(1, 4), weight.t(), None)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        gemv(torch.zeros(1, 8, dtype=torch.bfloat16), weight, None)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        gemv(torch.zeros(1, 8, dtype=torch.float16), weight.half(), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        gemv(torch.zeros(1, 8), weight, torch.zeros(3))
+
+
+def ops_run(fn) -> set[str]:
+    with profile() as prof:
+        fn()
+    return {event.name for event in prof.events()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_takes_the_kernel_for_one_row_only(dtype):
+    assert kernels.load()
+    weight, bias = torch.randn(16, 32).to(dtype), torch.randn(16).to(dtype)
+    one_row, rows = torch.randn(1, 32).to(dtype), torch.randn(3, 32).to(dtype)
+
+    assert "liteinfer::gemv" in ops_run(lambda: linear(one_row, weight, bias))
+    assert "liteinfer::gemv" not in ops_run(lambda: linear(rows, weight, bias))
+    assert "liteinfer::gemv" not in ops_run(lambda: linear(one_row.half(), weight.half(), bias.half()))
+    torch.testing.assert_close(linear(one_row, weight, bias), F.linear(one_row, weight, bias),
+                               **({} if dtype == torch.float32 else {"atol": 1e-6, "rtol": 2**-7}))
