@@ -82,11 +82,14 @@ def test_graphs_are_compiled_at_start_up_only(compiled):
     assert len(_debug_get_cache_entry_list(code)) == 2  # new batch sizes and context lengths: no recompile
 
 
-def test_batch_of_one_multiplies_through_the_gemv_kernel(compiled):
-    """Every linear of the batch-of-one graph, LM head included, streams its weights through kernels/gemv.cpp."""
+def test_batch_of_one_graph_is_driven_from_cpp_and_multiplies_through_the_gemv_kernel(compiled):
+    """The batch-of-one graph's wrapper is C++ (inductor's cpp_wrapper: no Python per kernel call), and each of its
+    linears, LM head included, streams its weights through kernels/gemv.cpp; the batched graph keeps oneDNN."""
     llm, code = compiled
     num_linears = sum(isinstance(m, Linear) for m in llm.engine.runner.model.modules()) + 1  # + the LM head
-    assert code.count("torch.ops.liteinfer.gemv.default(") == num_linears
+    assert code.count('aoti_torch_call_dispatcher("liteinfer::gemv"') == num_linears
+    assert "torch.ops.liteinfer.gemv" not in code
+    assert "torch.ops.mkldnn._linear_pointwise" in code
 
 
 def test_kv_pool_is_written_in_place_not_copied(compiled):
