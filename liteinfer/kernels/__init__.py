@@ -13,8 +13,9 @@ block_tables [seqs, width] int64, positions [seqs] int64, scale, sliding_window 
 -> [seqs, heads, dim]: each query attends to keys 0..its position (the last `sliding_window` of them when set) of
 its sequence, read through its block table; grouped query heads share a KV head; softmax in fp32.
 
-`gemv(x [1, in], weight [out, in] contiguous, bias [out] or None)` -> [1, out] = x weight^T (+ bias), all in one
-dtype, summed in fp32.
+`gemv(x [1, in], weight [out, in] contiguous, scales [out] or None, bias [out] or None)` -> [1, out] =
+x (weight * scales)^T (+ bias), summed in fp32, in x's dtype (fp32 or bf16): a float weight is in x's dtype and
+takes no scales; an int8 weight takes one scale per row (layers/quantization.py's int8).
 """
 
 from __future__ import annotations
@@ -72,5 +73,5 @@ def _build() -> None:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("liteinfer::gemv")
-    def _(x, weight, bias):
+    def _(x, weight, scales, bias):
         return x.new_empty(1, weight.shape[0])

@@ -1,4 +1,5 @@
-// y = x W^T (+ b) for a single row x: the only product a decode step of one sequence has. Registered (CPU) as
+// y = x (W * scales)^T (+ b) for a single row x: the only product a decode step of one sequence has. W is float
+// (fp32 or bf16, as x) or int8 with one scale per row (layers/quantization.py's int8). Registered (CPU) as
 // torch.ops.liteinfer.gemv; liteinfer/kernels/__init__.py builds it and gives its contract.
 //
 // At one row a linear layer is a stream through W, bound by memory bandwidth. oneDNN's prepacked matmul reached
@@ -14,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -21,8 +23,8 @@ namespace {
 constexpr int64_t kRows = 8;
 
 // y[r] = W[r]·x for R consecutive rows of W (row length k), in fp32. The portable form; AVX-512 ones follow.
-template <typename scalar_t, int64_t R>
-inline void dot_rows(const scalar_t* w, const scalar_t* x, int64_t k, float* y) {
+template <typename weight_t, typename x_t, int64_t R>
+inline void dot_rows(const weight_t* w, const x_t* x, int64_t k, float* y) {
   for (int64_t r = 0; r < R; ++r) {
     float sum = 0.f;
     for (int64_t i = 0; i < k; ++i) sum += static_cast<float>(w[r * k + i]) * static_cast<float>(x[i]);
@@ -32,19 +34,45 @@ inline void dot_rows(const scalar_t* w, const scalar_t* x, int64_t k, float* y) 
 
 #if defined(__AVX512F__)
 template <>
-inline void dot_rows<float, kRows>(const float* w, const float* x, int64_t k, float* y) {
+inline void dot_rows<float, float, kRows>(const float* w, const float* x, int64_t k, float* y) {
+  __m512 acc[kRows];
+  for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t i = 0;
+  // Plain loads in the loop and a masked one for the tail only: masking every load ran at half the speed.
+  for (; i + 16 <= k; i += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + i);
+    for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w + r * k + i), xv, acc[r]);
+  }
+  if (i < k) {  // zeros past the row's end
+    const __mmask16 mask = static_cast<__mmask16>((1u << (k - i)) - 1);
+    const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i);
+    for (int64_t r = 0; r < kRows; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, w + r * k + i), xv, acc[r]);
+  }
+  for (int64_t r = 0; r < kRows; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// int8 weights against x widened to fp32: 16 weights sign-extended and converted per step.
+inline __m512 widen_int8(__mmask16 mask, const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w)));
+}
+
+template <>
+inline void dot_rows<int8_t, float, kRows>(const int8_t* w, const float* x, int64_t k, float* y) {
   __m512 acc[kRows];
   for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
     const __m512 xv = _mm512_loadu_ps(x + i);
-    for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w + r * k + i), xv, acc[r]);
+    for (int64_t r = 0; r < kRows; ++r)
+      acc[r] = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * k + i)))),
+          xv, acc[r]);
   }
-  if (i < k) {  // the tail of a row, read under a mask: zeros past its end
+  if (i < k) {
     const __mmask16 mask = static_cast<__mmask16>((1u << (k - i)) - 1);
     const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i);
-    for (int64_t r = 0; r < kRows; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, w + r * k + i), xv, acc[r]);
+    for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_fmadd_ps(widen_int8(mask, w + r * k + i), xv, acc[r]);
   }
   for (int64_t r = 0; r < kRows; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
 }
@@ -53,7 +81,8 @@ inline void dot_rows<float, kRows>(const float* w, const float* x, int64_t k, fl
 #if defined(__AVX512BF16__)
 // vdpbf16ps multiplies bf16 pairs and accumulates in fp32, as oneDNN's bf16 matmul does.
 template <>
-inline void dot_rows<c10::BFloat16, kRows>(const c10::BFloat16* w, const c10::BFloat16* x, int64_t k, float* y) {
+inline void dot_rows<c10::BFloat16, c10::BFloat16, kRows>(const c10::BFloat16* w, const c10::BFloat16* x, int64_t k,
+                                                          float* y) {
   __m512 acc[kRows];
   for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
   int64_t i = 0;
@@ -72,45 +101,63 @@ inline void dot_rows<c10::BFloat16, kRows>(const c10::BFloat16* w, const c10::BF
 }
 #endif
 
-template <typename scalar_t>
-void gemv_rows(const scalar_t* x, const scalar_t* w, const scalar_t* bias, scalar_t* y, int64_t n, int64_t k) {
+template <typename weight_t, typename x_t, typename out_t>
+void gemv_rows(const x_t* x, const weight_t* w, const out_t* scales, const out_t* bias, out_t* y, int64_t n,
+               int64_t k) {
   // Each thread streams one contiguous share of W's rows.
   at::parallel_for(0, (n + kRows - 1) / kRows, 1, [&](int64_t begin, int64_t end) {
     float out[kRows];
     for (int64_t pass = begin; pass < end; ++pass) {
       const int64_t row = pass * kRows, rows = std::min(kRows, n - row);
       if (rows == kRows) {
-        dot_rows<scalar_t, kRows>(w + row * k, x, k, out);
+        dot_rows<weight_t, x_t, kRows>(w + row * k, x, k, out);
       } else {  // the last rows, when n is not a multiple of kRows
-        for (int64_t r = 0; r < rows; ++r) dot_rows<scalar_t, 1>(w + (row + r) * k, x, k, out + r);
+        for (int64_t r = 0; r < rows; ++r) dot_rows<weight_t, x_t, 1>(w + (row + r) * k, x, k, out + r);
       }
-      for (int64_t r = 0; r < rows; ++r)
-        y[row + r] = static_cast<scalar_t>(bias ? out[r] + static_cast<float>(bias[row + r]) : out[r]);
+      for (int64_t r = 0; r < rows; ++r) {
+        float v = scales ? out[r] * static_cast<float>(scales[row + r]) : out[r];
+        y[row + r] = static_cast<out_t>(bias ? v + static_cast<float>(bias[row + r]) : v);
+      }
     }
   });
 }
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
+                const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "expected x [1, in] and weight [out, in]");
   TORCH_CHECK(weight.is_contiguous(), "the weight must be contiguous");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and the weight must share a dtype");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "gemv takes fp32 or bf16");
-  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == weight.size(0) &&
-                        bias->scalar_type() == weight.scalar_type()),
-              "the bias must be [out], in the weight's dtype");
-  const at::Tensor x_ = x.contiguous(), b = bias ? bias->contiguous() : at::Tensor();
-  at::Tensor y = at::empty({1, weight.size(0)}, x.options());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "gemv takes fp32 or bf16 x");
+  const bool int8 = weight.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 || x.scalar_type() == weight.scalar_type(), "x and a float weight must share a dtype");
+  TORCH_CHECK(int8 == scales.has_value(), "an int8 weight takes one scale per row, a float weight none");
+  for (const auto& t : {scales, bias}) {
+    TORCH_CHECK(!t || (t->dim() == 1 && t->size(0) == weight.size(0) && t->scalar_type() == x.scalar_type()),
+                "scales and bias must be [out], in x's dtype");
+  }
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const at::Tensor x_ = x.contiguous(), s = scales ? scales->contiguous() : at::Tensor(),
+                   b = bias ? bias->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({1, n}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gemv", [&] {
-    gemv_rows<scalar_t>(x_.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
-                        b.defined() ? b.data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(), weight.size(0),
-                        weight.size(1));
+    const scalar_t* s_data = s.defined() ? s.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* b_data = b.defined() ? b.data_ptr<scalar_t>() : nullptr;
+    if (int8) {  // x widened to fp32 once: every row reads it
+      std::vector<float> x_float(x_.data_ptr<scalar_t>(), x_.data_ptr<scalar_t>() + k);
+      gemv_rows<int8_t, float, scalar_t>(x_float.data(), weight.data_ptr<int8_t>(), s_data, b_data,
+                                         y.data_ptr<scalar_t>(), n, k);
+    } else {
+      gemv_rows<scalar_t, scalar_t, scalar_t>(x_.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), nullptr, b_data,
+                                              y.data_ptr<scalar_t>(), n, k);
+    }
   });
   return y;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(liteinfer, m) { m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(liteinfer, m) {
+  m.def("gemv(Tensor x, Tensor weight, Tensor? scales, Tensor? bias) -> Tensor");
+}
 
 TORCH_LIBRARY_IMPL(liteinfer, CPU, m) { m.impl("gemv", &gemv); }

@@ -1,5 +1,5 @@
-"""The one-row matmul kernel (liteinfer/kernels/gemv.cpp) against PyTorch's fp32 linear, and `linear` taking it
-for one-row inputs on plain CPU weights."""
+"""The one-row matmul kernel (liteinfer/kernels/gemv.cpp) against the same arithmetic in fp32, and
+`linear` / the int8 weights taking it for one-row inputs on CPU."""
 
 import pytest
 import torch
@@ -10,6 +10,7 @@ from torch.profiler import profile
 
 from liteinfer import kernels
 from liteinfer.layers.linear import linear
+from liteinfer.layers.quantization import Int8Weight
 
 
 @settings(max_examples=60, deadline=None)
@@ -27,7 +28,7 @@ def test_gemv_matches_fp32_linear(out_features, in_features, dtype, with_bias, s
     weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
 
-    out = torch.ops.liteinfer.gemv(x, weight, bias)
+    out = torch.ops.liteinfer.gemv(x, weight, None, bias)
 
     # The same inputs, multiplied and summed in fp32, then rounded once to the output dtype, as the kernel does.
     expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(dtype)
@@ -38,22 +39,51 @@ def test_gemv_matches_fp32_linear(out_features, in_features, dtype, with_bias, s
         torch.testing.assert_close(out.float(), expected.float(), atol=1e-6, rtol=2**-8)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    out_features=st.integers(1, 40),
+    in_features=st.integers(1, 100),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_gemv_on_int8_weights_matches_fp32_arithmetic(out_features, in_features, dtype, seed):
+    assert kernels.load()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, in_features, generator=gen).to(dtype)
+    weight = Int8Weight.from_float(torch.randn(out_features, in_features, generator=gen).to(dtype))
+
+    out = torch.ops.liteinfer.gemv(x, weight.q, weight.scales, None)
+
+    # (PyTorch's own int8 kernel is no reference here: on some small bf16 shapes it returns NaN or crashes.)
+    expected = (F.linear(x.float(), weight.q.float()) * weight.scales.float()).to(dtype)
+    assert out.dtype == dtype and out.shape == (1, out_features)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-6, "rtol": 2**-8}
+    torch.testing.assert_close(out, expected, **tolerance)
+
+
 def test_gemv_refuses_mismatched_inputs():
     assert kernels.load()
     gemv = torch.ops.liteinfer.gemv
-    weight = torch.zeros(4, 8)
+    weight, x = torch.zeros(4, 8), torch.zeros(1, 8)
+    int8, scales = torch.zeros(4, 8, dtype=torch.int8), torch.ones(4)
     with pytest.raises(RuntimeError, match=r"x \[1, in\] and weight \[out, in\]"):
-        gemv(torch.zeros(2, 8), weight, None)
+        gemv(torch.zeros(2, 8), weight, None, None)
     with pytest.raises(RuntimeError, match=r"x \[1, in\] and weight \[out, in\]"):
-        gemv(torch.zeros(1, 7), weight, None)
+        gemv(torch.zeros(1, 7), weight, None, None)
     with pytest.raises(RuntimeError, match="contiguous"):
-        gemv(torch.zeros(1, 4), weight.t(), None)
+        gemv(torch.zeros(1, 4), weight.t(), None, None)
     with pytest.raises(RuntimeError, match="share a dtype"):
-        gemv(torch.zeros(1, 8, dtype=torch.bfloat16), weight, None)
+        gemv(x.bfloat16(), weight, None, None)
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
-        gemv(torch.zeros(1, 8, dtype=torch.float16), weight.half(), None)
-    with pytest.raises(RuntimeError, match="bias"):
-        gemv(torch.zeros(1, 8), weight, torch.zeros(3))
+        gemv(x.half(), weight.half(), None, None)
+    with pytest.raises(RuntimeError, match="one scale per row"):
+        gemv(x, int8, None, None)
+    with pytest.raises(RuntimeError, match="one scale per row"):
+        gemv(x, weight, scales, None)
+    with pytest.raises(RuntimeError, match="in x's dtype"):
+        gemv(x, int8, scales.bfloat16(), None)
+    with pytest.raises(RuntimeError, match=r"must be \[out\]"):
+        gemv(x, weight, None, torch.zeros(3))
 
 
 def ops_run(fn) -> set[str]:
@@ -73,3 +103,7 @@ def test_linear_takes_the_kernel_for_one_row_only(dtype):
     assert "liteinfer::gemv" not in ops_run(lambda: linear(one_row.half(), weight.half(), bias.half()))
     torch.testing.assert_close(linear(one_row, weight, bias), F.linear(one_row, weight, bias),
                                **({} if dtype == torch.float32 else {"atol": 1e-6, "rtol": 2**-7}))
+
+    int8 = Int8Weight.from_float(weight)
+    assert "liteinfer::gemv" in ops_run(lambda: int8(one_row))
+    assert "liteinfer::gemv" not in ops_run(lambda: int8(rows))
