@@ -44,6 +44,58 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+#if defined(__AVX512F__)
+// The lane sums of 16 vectors as one vector: out[j] = sum of v[j]'s lanes. A transposing add tree, ~3 instructions
+// per vector where reducing each on its own takes ~8.
+inline __m512 sum_lanes_16(const __m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [v0 0+2, v1 0+2, v0 1+3, v1 1+3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the partial sums of four vectors, in order
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // The four 128-bit lanes of each quad summed, quads 0-3 becoming lanes 0-3 of the result.
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                 _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                 _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+#endif
+
+// scores[g * stride + j] = query g · key row j, for n consecutive key rows (widened into `buffer`, 16 rows' room)
+// and each of the group's query heads.
+template <typename scalar_t, int64_t kDim>
+void score_rows(const float* query, int64_t group, int64_t dim, const scalar_t* rows, int64_t n, float* buffer,
+                float* scores, int64_t stride) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  if constexpr (kDim > 0 && kDim % 16 == 0) {
+    // Sixteen keys at a time, their scores one vector: no horizontal sum per key.
+    for (; j < n; j += 16) {
+      const int64_t m = std::min<int64_t>(16, n - j);
+      to_float(rows + j * kDim, buffer, m * kDim);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 q[kDim / 16], acc[16];
+        for (int64_t c = 0; c < kDim / 16; ++c) q[c] = _mm512_loadu_ps(query + g * kDim + c * 16);
+        for (int64_t r = 0; r < 16; ++r) {
+          acc[r] = _mm512_setzero_ps();
+          if (r < m)
+            for (int64_t c = 0; c < kDim / 16; ++c)
+              acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(buffer + r * kDim + c * 16), q[c], acc[r]);
+        }
+        _mm512_mask_storeu_ps(scores + g * stride + j, static_cast<__mmask16>((1u << m) - 1), sum_lanes_16(acc));
+      }
+    }
+  }
+#endif
+  for (; j < n; ++j) {
+    to_float(rows + j * dim, buffer, dim);
+    for (int64_t g = 0; g < group; ++g) scores[g * stride + j] = dot(query + g * dim, buffer, dim);
+  }
+}
+
 // kDim > 0 fixes the head size at compile time, so the loops over it unroll; 0 reads it from q.
 template <typename scalar_t, int64_t kDim>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -83,8 +135,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 
   // The query heads of a task's group share every row read.
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * dim), row(dim), vblock(block_size * dim), acc(group * dim), scores;
-    std::vector<float> max_score(group), denom(group);
+    std::vector<float> query(group * dim), krows(16 * dim), vblock(block_size * dim), acc(group * dim), scores;
+    std::vector<float> denom(group);
     for (int64_t task = begin; task < end; ++task) {
       const Task t = task_at(task);
       const int64_t first = t.first, num_keys = t.num_keys, span = num_keys - first;
@@ -99,27 +151,21 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       to_float(q_data + head * dim, query.data(), group * dim);
       for (float& x : query) x *= static_cast<float>(scale);
       scores.resize(group * span);
-      std::fill(max_score.begin(), max_score.end(), std::numeric_limits<float>::lowest());
       const int64_t first_block = first - first % block_size;
-      // Keys, row by row, while the next K block and this block's values are requested: the scores.
+      // Keys, while the next K block and this block's values are requested: the scores.
       prefetch(block_of(k_data, t, first_block));
       for (int64_t start = first_block; start < num_keys; start += block_size) {
         if (start + block_size < num_keys) prefetch(block_of(k_data, t, start + block_size));
         prefetch(block_of(v_data, t, start));
-        const scalar_t* block = block_of(k_data, t, start);
-        for (int64_t j = std::max(start, first); j < std::min(start + block_size, num_keys); ++j) {
-          to_float(block + (j - start) * dim, row.data(), dim);
-          for (int64_t g = 0; g < group; ++g) {
-            float s = dot(query.data() + g * dim, row.data(), dim);
-            if (softcap > 0) s = static_cast<float>(std::tanh(s / softcap) * softcap);
-            scores[g * span + j - first] = s;
-            max_score[g] = std::max(max_score[g], s);
-          }
-        }
+        const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
+        score_rows<scalar_t, kDim>(query.data(), group, dim, block_of(k_data, t, start) + (lo - start) * dim, hi - lo,
+                                   krows.data(), scores.data() + (lo - first), span);
       }
       for (int64_t g = 0; g < group; ++g) {  // softmax numerators, in fp32
         float* sg = scores.data() + g * span;
-        const float m = max_score[g];
+        if (softcap > 0)
+          for (int64_t j = 0; j < span; ++j) sg[j] = static_cast<float>(std::tanh(sg[j] / softcap) * softcap);
+        const float m = *std::max_element(sg, sg + span);
         float sum = 0.f;
         for (int64_t j = 0; j < span; ++j) {
           sg[j] = std::exp(sg[j] - m);
