@@ -228,7 +228,7 @@ def _add_model_args(parser: argparse.ArgumentParser, default_dtype: str) -> None
     parser.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization (CPU)")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
                         help="--no-enforce-eager runs decode steps as torch.compile graphs, compiled at start-up "
-                             "(about 100 s for SmolLM2 on 2 CPU cores); default: eager")
+                             "(about 60 s for SmolLM2 on 2 CPU cores); default: eager")
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int,
                           help="shard the model over this many processes (CUDA: devices) on this host")
