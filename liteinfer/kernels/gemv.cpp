@@ -32,49 +32,44 @@ inline void dot_rows(const weight_t* w, const x_t* x, int64_t k, float* y) {
   }
 }
 
-#if defined(__AVX512F__)
-template <>
-inline void dot_rows<float, float, kRows>(const float* w, const float* x, int64_t k, float* y) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // the int8 tail's masked load: BW+VL
+// Sixteen weights as fp32: float ones loaded, int8 ones sign-extended and converted; under a mask, zeros past it.
+inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+inline __m512 load16(const float* w, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, w); }
+inline __m512 load16(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+inline __m512 load16(const int8_t* w, __mmask16 mask) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w)));
+}
+
+// fp32 or int8 rows against fp32 x.
+template <typename weight_t>
+inline void dot_rows_fp32(const weight_t* w, const float* x, int64_t k, float* y) {
   __m512 acc[kRows];
   for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
   int64_t i = 0;
   // Plain loads in the loop and a masked one for the tail only: masking every load ran at half the speed.
   for (; i + 16 <= k; i += 16) {
     const __m512 xv = _mm512_loadu_ps(x + i);
-    for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w + r * k + i), xv, acc[r]);
-  }
-  if (i < k) {  // zeros past the row's end
-    const __mmask16 mask = static_cast<__mmask16>((1u << (k - i)) - 1);
-    const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i);
-    for (int64_t r = 0; r < kRows; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, w + r * k + i), xv, acc[r]);
-  }
-  for (int64_t r = 0; r < kRows; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
-}
-
-// int8 weights against x widened to fp32: 16 weights sign-extended and converted per step.
-inline __m512 widen_int8(__mmask16 mask, const int8_t* w) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w)));
-}
-
-template <>
-inline void dot_rows<int8_t, float, kRows>(const int8_t* w, const float* x, int64_t k, float* y) {
-  __m512 acc[kRows];
-  for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= k; i += 16) {
-    const __m512 xv = _mm512_loadu_ps(x + i);
-    for (int64_t r = 0; r < kRows; ++r)
-      acc[r] = _mm512_fmadd_ps(
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * k + i)))),
-          xv, acc[r]);
+    for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_fmadd_ps(load16(w + r * k + i), xv, acc[r]);
   }
   if (i < k) {
     const __mmask16 mask = static_cast<__mmask16>((1u << (k - i)) - 1);
     const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i);
-    for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_fmadd_ps(widen_int8(mask, w + r * k + i), xv, acc[r]);
+    for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_fmadd_ps(load16(w + r * k + i, mask), xv, acc[r]);
   }
   for (int64_t r = 0; r < kRows; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+template <>
+inline void dot_rows<float, float, kRows>(const float* w, const float* x, int64_t k, float* y) {
+  dot_rows_fp32(w, x, k, y);
+}
+
+template <>
+inline void dot_rows<int8_t, float, kRows>(const int8_t* w, const float* x, int64_t k, float* y) {
+  dot_rows_fp32(w, x, k, y);
 }
 #endif
 
