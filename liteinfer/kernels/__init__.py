@@ -5,8 +5,8 @@ Contract: `load()` compiles the sources next to this file with the machine's C++
 builder; the first time only, then cached under TORCH_EXTENSIONS_DIR) and registers their ops under
 `torch.ops.liteinfer`, each with a fake implementation so that `torch.compile` traces through it. Where they cannot
 be built (no compiler), `load()` logs why and returns False, and callers keep the plain PyTorch path: the same
-arithmetic, which tests/unit/test_paged_attention_kernel.py holds every op to. `available()` only reports what
-`load()` did, so that a traced forward can ask without building anything.
+arithmetic, which tests/unit/test_paged_attention_kernel.py and test_gemv_kernel.py hold the ops to.
+`available()` only reports what `load()` did, so that a traced forward can ask without building anything.
 
 `paged_decode_attention(q [seqs, heads, dim], k_cache, v_cache [kv_heads, blocks, block_size, dim],
 block_tables [seqs, width] int64, positions [seqs] int64, scale, sliding_window (0: none), softcap (0: none))`
@@ -62,7 +62,7 @@ def _build() -> None:
         name="liteinfer_cpu_kernels",
         sources=[str(Path(__file__).with_name(name)) for name in ("paged_attention.cpp", "gemv.cpp")],
         # -march=native: built on the machine that runs it. -ffast-math lets the compiler vectorise exp and
-        # reassociate sums; the kernel has no infinities or NaNs to keep (scores start from the lowest float).
+        # reassociate sums; the kernels have no infinities or NaNs to keep.
         extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,

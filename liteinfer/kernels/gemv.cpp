@@ -134,7 +134,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
   const at::Tensor x_ = x.contiguous(), s = scales ? scales->contiguous() : at::Tensor(),
                    b = bias ? bias->contiguous() : at::Tensor();
   at::Tensor y = at::empty({1, n}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gemv", [&] {
+  auto run = [&](auto x_type) {  // for x in fp32 or bf16, the two dtypes checked above
+    using scalar_t = decltype(x_type);
     const scalar_t* s_data = s.defined() ? s.data_ptr<scalar_t>() : nullptr;
     const scalar_t* b_data = b.defined() ? b.data_ptr<scalar_t>() : nullptr;
     if (int8) {  // x widened to fp32 once: every row reads it
@@ -145,7 +146,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
       gemv_rows<scalar_t, scalar_t, scalar_t>(x_.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), nullptr, b_data,
                                               y.data_ptr<scalar_t>(), n, k);
     }
-  });
+  };
+  x.scalar_type() == at::kFloat ? run(float{}) : run(c10::BFloat16{});
   return y;
 }
 

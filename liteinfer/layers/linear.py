@@ -48,12 +48,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x W^T (+ b), W as loaded ([out, in]) or prepacked by `prepack_linears`."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    if is_one_row(x) and weight.dtype == x.dtype and weight.is_contiguous():
+    if gemv_takes(x) and weight.dtype == x.dtype and weight.is_contiguous():
         return torch.ops.liteinfer.gemv(x, weight, None, bias)
     return F.linear(x, weight, bias)
 
 
-def is_one_row(x: torch.Tensor) -> bool:
+def gemv_takes(x: torch.Tensor) -> bool:
     """Whether `kernels`' gemv takes `x`: a single sequence's decode step, on CPU, where it streams W faster than
     oneDNN and PyTorch's int8 kernel do (docs/benchmarks.md)."""
     return (x.dim() == 2 and x.shape[0] == 1 and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16)

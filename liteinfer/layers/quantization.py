@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from liteinfer.layers.embedding import LMHead
-from liteinfer.layers.linear import Linear, is_one_row
+from liteinfer.layers.linear import Linear, gemv_takes
 
 INT4_GROUP_SIZE = 64  # 128 would not divide SmolLM2's hidden size of 576
 _INT4_INNER_K_TILES = 2  # the packing's tile parameter: K must be a multiple of 16 * this
@@ -36,7 +36,7 @@ class Int8Weight:
         return cls(q, scales.to(weight.dtype))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if is_one_row(x):
+        if gemv_takes(x):
             return torch.ops.liteinfer.gemv(x, self.q, self.scales, None)
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
 
