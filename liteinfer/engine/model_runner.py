@@ -38,7 +38,7 @@ class ModelRunner:
         computes K/V only).
         """
         order, input_ids, meta, last_token = self._prepare(batch)
-        sampling = [(i, int(last)) for i, last in zip(order, last_token) if last >= 0]
+        sampling = [(i, last) for i, last in zip(order, last_token) if last >= 0]
         sample_rows = torch.tensor([row for _, row in sampling], dtype=torch.long, device=self.device)
         step = StepInputs(input_ids, meta, sample_rows)
         try:
@@ -55,13 +55,10 @@ class ModelRunner:
         if not sampling:
             return [], None
         seqs = [batch.seqs[i] for i, _ in sampling]
-        rows = [SamplingRow(seq.params, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, seq.generator)
-                for seq in seqs]
+        rows = [SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator) for seq in seqs]
         return [i for i, _ in sampling], self.sampler(logits, rows)
 
-    def _prepare(
-        self, batch: ScheduledBatch
-    ) -> tuple[list[int], torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _prepare(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor, AttentionMetadata, list[int]]:
         """Lay the step's tokens end to end, decodes first (attention batches them), then multi-token spans.
 
         Returns the batch order used, input ids, the attention metadata (positions included), and for each sequence (in
@@ -69,36 +66,43 @@ class ModelRunner:
         """
         device, block_size = self.device, self.block_size
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] > 1)
-        seqs = [batch.seqs[i] for i in order]
-        query_lens = [batch.num_new_tokens[i] for i in order]
-        context_lens = [seq.num_computed_tokens for seq in seqs]
+        # Built as Python lists, turned into tensors once: each torch op on a tiny tensor costs microseconds, several
+        # times more with the caches cold after a forward pass, and a decode step of one sequence is milliseconds.
+        # The Python work is per sequence, and per block (not per token) for the slots.
         tokens: list[int] = []
-        for seq, start, count in zip(seqs, context_lens, query_lens):
-            tokens.extend(seq.token_ids[start : start + count])
-        max_blocks = max(len(seq.block_table) for seq in seqs)
-        block_tables = torch.tensor(
-            [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs], dtype=torch.long
-        )
-
-        # Whole-batch index arithmetic: no per-token Python.
-        query_lens_t, context_lens_t = torch.tensor(query_lens), torch.tensor(context_lens)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), query_lens_t)
-        query_ends = torch.cumsum(query_lens_t, 0)
-        query_starts = query_ends - query_lens_t
-        positions = context_lens_t[seq_of_token] + torch.arange(len(tokens)) - query_starts[seq_of_token]
-        slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-        samples = (context_lens_t + query_lens_t) == torch.tensor([seq.num_tokens for seq in seqs])
-        last_token = torch.where(samples, query_ends - 1, -1)
-
-        num_decodes = sum(1 for n in query_lens if n == 1)
-        prefills = [
-            PrefillSpan(int(start), int(end), torch.tensor(seq.block_table, device=device))
-            for seq, start, end in zip(seqs[num_decodes:], query_starts[num_decodes:], query_ends[num_decodes:])
-        ]
+        positions: list[int] = []
+        slots: list[int] = []
+        last_token: list[int] = []
+        decode_tables: list[list[int]] = []
+        prefills: list[PrefillSpan] = []
+        for i in order:
+            seq, count = batch.seqs[i], batch.num_new_tokens[i]
+            start, end, row = seq.num_computed_tokens, seq.num_computed_tokens + count, len(tokens)
+            tokens += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += cache_slots(seq.block_table, start, end, block_size)
+            last_token.append(row + count - 1 if end == seq.num_tokens else -1)
+            if count == 1:
+                decode_tables.append(seq.block_table)
+            else:
+                prefills.append(PrefillSpan(row, row + count, torch.tensor(seq.block_table, device=device)))
+        # Padding is block 0, masked out by position.
+        width = max(map(len, decode_tables), default=0)
+        padded = [table + [0] * (width - len(table)) for table in decode_tables]
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(device),
-            positions=positions.to(device),
-            decode_block_tables=block_tables[:num_decodes].to(device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=device).view(len(padded), width),
             prefills=prefills,
         )
         return order, torch.tensor(tokens, dtype=torch.long, device=device), meta, last_token
+
+
+def cache_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The cache slots of positions [start, end) of a sequence with this block table: a run of consecutive slots per
+    block."""
+    slots: list[int] = []
+    for first in range(start - start % block_size, end, block_size):  # the first position of each block touched
+        offset = block_table[first // block_size] * block_size - first  # slot = position + offset in this block
+        slots += range(max(start, first) + offset, min(end, first + block_size) + offset)
+    return slots

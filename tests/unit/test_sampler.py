@@ -2,6 +2,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from liteinfer.sampling import Sampler, SamplerOutput, SamplingParams, SamplingRow
 from liteinfer.sampling.sampler import apply_min_p, apply_penalties, apply_top_k, apply_top_p
@@ -12,7 +14,7 @@ NEG_INF = -float("inf")
 
 def make_row(prompt=(), output=(), seed=None, **params) -> SamplingRow:
     generator = None if seed is None else torch.Generator().manual_seed(seed)
-    return SamplingRow(SamplingParams(**params), list(prompt), list(output), generator)
+    return SamplingRow(SamplingParams(**params), [*prompt, *output], len(prompt), generator)
 
 
 def logits_from_probs(probs: list[float]) -> torch.Tensor:
@@ -178,7 +180,7 @@ def test_sampler_seeded_row_same_tokens_in_any_batch(sampler):
         tokens = []
         for _ in range(steps):
             rows = [make_row(**p) for p in others]
-            rows.insert(position, SamplingRow(SamplingParams(top_p=0.95, seed=seed), [], [], generator))
+            rows.insert(position, SamplingRow(SamplingParams(top_p=0.95, seed=seed), [], 0, generator))
             logits = torch.randn(len(rows), vocab)
             logits[position] = target
             tokens.append(sampler(logits, rows).token_ids[position])
@@ -258,4 +260,27 @@ def test_sampler_mixed_batch_greedy_and_sampled_rows(sampler):
     assert out.token_ids[3] in logits[3].topk(4).indices.tolist()
     assert out.token_ids[4] in out.top_logprobs[4]
     assert [lp is None for lp in out.logprobs] == [True, True, True, True, False, True]
+    assert torch.equal(logits, original)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    stop_ids=st.lists(st.integers(1, 31), max_size=3),
+    num_output=st.integers(0, 3),
+)
+def test_sampler_greedy_below_min_tokens_is_the_masked_argmax(seed, dtype, stop_ids, num_output):
+    """The unedited greedy path (argmax of the raw logits, masking only when it hits a stop token) picks what an
+    argmax over a masked fp32 copy picks, and leaves the caller's logits as they were."""
+    sampler = Sampler(eos_token_ids={EOS})
+    logits = torch.randn(4, 32, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    logits[:, [EOS, *stop_ids]] += 3  # make the stop tokens likely argmaxes
+    original = logits.clone()
+    rows = [make_row(output=[5] * num_output, temperature=0, min_tokens=2, stop_token_ids=stop_ids) for _ in range(4)]
+    out = sampler(logits, rows)
+    expected = logits.to(torch.float32, copy=True)
+    if num_output < 2:
+        expected[:, [EOS, *stop_ids]] = NEG_INF
+    assert out.token_ids == expected.argmax(-1).tolist()
     assert torch.equal(logits, original)
