@@ -1,11 +1,12 @@
 """Kernels of our own, in C++, for what PyTorch has no fast op for on CPU: decode attention that reads the paged KV
-pool in place, and the one-row matmul of a single sequence's decode step.
+pool in place, the one-row matmul of a single sequence's decode step, and the greedy argmax of a step's logits.
 
 Contract: `load()` compiles the sources next to this file with the machine's C++ compiler (torch's extension
 builder; the first time only, then cached under TORCH_EXTENSIONS_DIR) and registers their ops under
 `torch.ops.liteinfer`, each with a fake implementation so that `torch.compile` traces through it. Where they cannot
 be built (no compiler), `load()` logs why and returns False, and callers keep the plain PyTorch path: the same
-arithmetic, which tests/unit/test_paged_attention_kernel.py and test_gemv_kernel.py hold the ops to.
+arithmetic, which tests/unit/test_paged_attention_kernel.py, test_gemv_kernel.py and test_argmax_kernel.py hold
+the ops to.
 `available()` only reports what `load()` did, so that a traced forward can ask without building anything.
 
 `paged_decode_attention(q [seqs, heads, dim], k_cache, v_cache [kv_heads, blocks, block_size, dim],
@@ -16,6 +17,9 @@ its sequence, read through its block table; grouped query heads share a KV head;
 `gemv(x [1, in], weight [out, in] contiguous, scales [out] or None, bias [out] or None)` -> [1, out] =
 x (weight * scales)^T (+ bias), summed in fp32, in x's dtype (fp32 or bf16): a float weight is in x's dtype and
 takes no scales; an int8 weight takes one scale per row (layers/quantization.py's int8).
+
+`argmax(logits [rows, vocab] fp32 or bf16)` -> [rows] int64: the first index of each row's largest value, as
+`torch.argmax` gives it, except that NaN is skipped rather than taken as the largest.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def _build() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
     cpp_extension.load(
         name="liteinfer_cpu_kernels",
-        sources=[str(Path(__file__).with_name(name)) for name in ("paged_attention.cpp", "gemv.cpp")],
+        sources=[str(Path(__file__).with_name(name)) for name in ("paged_attention.cpp", "gemv.cpp", "argmax.cpp")],
         # -march=native: built on the machine that runs it. -ffast-math lets the compiler vectorise exp and
         # reassociate sums; the kernels have no infinities or NaNs to keep.
         extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
@@ -75,3 +79,7 @@ def _build() -> None:
     @torch.library.register_fake("liteinfer::gemv")
     def _(x, weight, scales, bias):
         return x.new_empty(1, weight.shape[0])
+
+    @torch.library.register_fake("liteinfer::argmax")
+    def _(logits):
+        return logits.new_empty(logits.shape[0], dtype=torch.long)

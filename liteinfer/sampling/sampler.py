@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from liteinfer import kernels
 from liteinfer.outputs import Logprob
 from liteinfer.sampling.params import SamplingParams
 
@@ -74,10 +75,9 @@ class Sampler:
         if logprob_rows:
             raw_logprobs = _take_rows(logits, logprob_rows).log_softmax(-1, dtype=torch.float32)
 
-        # Greedy rows without penalties take the argmax of the raw logits, unmasked. Widened to fp32 first: exact, and
-        # PyTorch's CPU argmax runs ~5x faster on fp32 than on bf16. Rows that a stage edits (penalties, temperature,
-        # truncation) get a float copy of their own.
-        tokens = logits.float().argmax(-1)
+        # Greedy rows without penalties take the argmax of the raw logits, with no copy. Rows that a stage edits
+        # (penalties, temperature, truncation) get a float copy of their own.
+        tokens = argmax_rows(logits)
         edited = [i for i, p in enumerate(params) if _uses_penalty(p) or not p.is_greedy]
         if edited:
             tokens[edited] = self._edited_tokens(
@@ -91,7 +91,7 @@ class Sampler:
             if i not in edited_set and row.below_min_tokens and token_ids[i] in self._stop_ids(row):
                 masked = logits[i].to(torch.float32, copy=True)
                 masked[self._stop_ids(row)] = -float("inf")
-                token_ids[i] = int(masked.argmax())
+                token_ids[i] = int(argmax_rows(masked[None]))
                 tokens[i] = token_ids[i]
 
         logprobs: list[float | None] = [None] * len(rows)
@@ -117,7 +117,7 @@ class Sampler:
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         if greedy:
-            tokens[greedy] = _take_rows(logits, greedy).argmax(-1)
+            tokens[greedy] = argmax_rows(_take_rows(logits, greedy))
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if sampled:
             tokens[sampled] = _sample(_take_rows(logits, sampled), [rows[i] for i in sampled])
@@ -126,6 +126,14 @@ class Sampler:
     def _stop_ids(self, row: SamplingRow) -> list[int]:
         """What a row below its min_tokens may not sample: EOS and its stop token ids."""
         return self.eos_token_ids + row.params.stop_token_ids
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of equal largest values). On CPU through our kernel: PyTorch's CPU argmax compares
+    one element at a time, and in bf16 ~5x slower still (docs/benchmarks.md)."""
+    if logits.device.type == "cpu" and kernels.available():
+        return torch.ops.liteinfer.argmax(logits)
+    return logits.argmax(-1)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -218,7 +226,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     # Exponential race: argmax(p / E) with E ~ Exp(1) is an exact sample from p, and lets each
     # seeded row draw its noise from its own generator.
     probs = logits.softmax(-1)
-    return probs.div_(_exponential_noise(probs, rows)).argmax(-1)
+    return argmax_rows(probs.div_(_exponential_noise(probs, rows)))
 
 
 def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
