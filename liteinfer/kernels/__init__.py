@@ -2,7 +2,8 @@
 pool in place, the one-row matmul of a single sequence's decode step, and the greedy argmax of a step's logits.
 
 Contract: `load()` compiles the sources next to this file with the machine's C++ compiler (torch's extension
-builder; the first time only, then cached under TORCH_EXTENSIONS_DIR) and registers their ops under
+builder; the first time only, then cached under TORCH_EXTENSIONS_DIR, one build per CPU, Python and torch, since
+the build targets the CPU that made it) and registers their ops under
 `torch.ops.liteinfer`, each with a fake implementation so that `torch.compile` traces through it. Where they cannot
 be built (no compiler), `load()` logs why and returns False, and callers keep the plain PyTorch path: the same
 arithmetic, which tests/unit/test_paged_attention_kernel.py, test_gemv_kernel.py and test_argmax_kernel.py hold
@@ -24,8 +25,12 @@ takes no scales; an int8 weight takes one scale per row (layers/quantization.py'
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -52,6 +57,11 @@ def available() -> bool:
     return bool(_loaded)
 
 
+# torch's builder waits for as long as its lock file exists, and a build that was killed leaves it behind: one older
+# than this is taken as such a leftover (a build takes about a minute on 2 cores).
+STALE_LOCK_SECONDS = 15 * 60
+
+
 def _build() -> None:
     import ninja
     from torch.utils import cpp_extension
@@ -62,13 +72,18 @@ def _build() -> None:
     path = os.environ.get("PATH", "")
     if ninja.BIN_DIR not in path.split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
+    name = f"liteinfer_cpu_kernels_{build_tag()}"
+    build_directory = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
+    build_directory.mkdir(parents=True, exist_ok=True)
+    remove_stale_lock(build_directory)
     cpp_extension.load(
-        name="liteinfer_cpu_kernels",
-        sources=[str(Path(__file__).with_name(name)) for name in ("paged_attention.cpp", "gemv.cpp", "argmax.cpp")],
-        # -march=native: built on the machine that runs it. -ffast-math lets the compiler vectorise exp and
-        # reassociate sums; the kernels have no infinities or NaNs to keep.
+        name=name,
+        sources=[str(Path(__file__).with_name(source)) for source in ("paged_attention.cpp", "gemv.cpp", "argmax.cpp")],
+        # -march=native: built for the CPU that runs it (hence one build per CPU). -ffast-math lets the compiler
+        # vectorise exp and reassociate sums; the kernels have no infinities or NaNs to keep.
         extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
+        build_directory=str(build_directory),
         is_python_module=False,
     )
 
@@ -83,3 +98,29 @@ def _build() -> None:
     @torch.library.register_fake("liteinfer::argmax")
     def _(logits):
         return logits.new_empty(logits.shape[0], dtype=torch.long)
+
+
+def build_tag() -> str:
+    """What a build depends on beyond its sources and flags, which torch's builder checks itself: the CPU (model and
+    instruction sets: a build for one CPU may crash on another with an illegal instruction), Python and torch. A
+    cache shared between machines (a home directory on NFS) then keeps one build per kind of machine."""
+    cpu = [platform.machine(), platform.processor()]
+    try:  # Linux: the first CPU's model and flags (x86) or features (Arm)
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        keys = ("model name", "flags", "Features")
+        cpu += [next((line for line in lines if line.startswith(key)), "") for key in keys]
+    except OSError:
+        pass
+    identity = "\n".join([*cpu, sys.version, torch.__version__])
+    return hashlib.sha256(identity.encode()).hexdigest()[:12]
+
+
+def remove_stale_lock(build_directory: Path) -> None:
+    lock = build_directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        logger.warning("removing %s, left %.0f minutes ago by a build that did not finish", lock, age / 60)
+        lock.unlink(missing_ok=True)
