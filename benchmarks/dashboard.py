@@ -30,6 +30,11 @@ def _height(record: dict) -> float:
     return 0.8 + 0.45 * len({row["engine"] for row in record["rows"]})
 
 
+def _panel_width(record: dict) -> float:
+    """Width of one panel of bars: the bars' room plus the engine names beside them (variant names run long)."""
+    return 3.5 + 0.075 * max(len(row["engine"]) for row in record["rows"])
+
+
 def headline_figure(record: dict) -> Figure:
     """Output tokens/s of every engine, one panel per workload."""
     fig = _bars_per_workload(record, "output_tokens_per_s", "output tokens/s (higher is better)", "tab:blue")
@@ -40,7 +45,8 @@ def headline_figure(record: dict) -> Figure:
 def latency_figure(record: dict, workload: str) -> Figure:
     """p50 bars with the p99 as a tick, for TTFT, inter-token and end-to-end latency."""
     rows = _ok_rows(record, workload)
-    fig, axes = plt.subplots(1, len(LATENCIES), figsize=(15, _height(record)), layout="constrained")
+    fig, axes = plt.subplots(1, len(LATENCIES), figsize=(len(LATENCIES) * _panel_width(record), _height(record)),
+                             layout="constrained")
     for ax, (key, title) in zip(axes, LATENCIES):
         names = [row["engine"] for row in rows]
         p50 = [row["metrics"][f"{key}_p50_ms"] for row in rows]
@@ -61,7 +67,7 @@ def memory_figure(record: dict) -> Figure:
 def _bars_per_workload(record: dict, metric: str, title: str, color: str) -> Figure:
     """One labelled bar per engine of `metric`, one panel per workload."""
     workloads = list(record["workloads"])
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), _height(record)),
+    fig, axes = plt.subplots(1, len(workloads), figsize=(len(workloads) * _panel_width(record), _height(record)),
                              squeeze=False, layout="constrained")
     for ax, workload in zip(axes[0], workloads):
         rows = _ok_rows(record, workload)

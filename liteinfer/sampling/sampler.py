@@ -131,7 +131,7 @@ class Sampler:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first of equal largest values). On CPU through our kernel: PyTorch's CPU argmax compares
     one element at a time, and in bf16 ~5x slower still (docs/benchmarks.md)."""
-    if logits.device.type == "cpu" and kernels.available():
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and kernels.available():
         return torch.ops.liteinfer.argmax(logits)
     return logits.argmax(-1)
 

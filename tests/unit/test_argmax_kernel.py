@@ -39,6 +39,8 @@ def test_argmax_rows_uses_the_kernel_on_cpu():
         tokens = argmax_rows(logits)
     assert tokens.tolist() == logits.argmax(-1).tolist()
     assert "liteinfer::argmax" in {event.key for event in profile.key_averages()}
+    half = logits.half()  # a dtype the kernel does not take: torch's argmax
+    assert argmax_rows(half).tolist() == half.argmax(-1).tolist()
 
 
 def test_argmax_refuses_what_it_cannot_take():
