@@ -15,6 +15,12 @@ block_tables [seqs, width] int64, positions [seqs] int64, scale, sliding_window 
 -> [seqs, heads, dim]: each query attends to keys 0..its position (the last `sliding_window` of them when set) of
 its sequence, read through its block table; grouped query heads share a KV head; softmax in fp32.
 
+`paged_prefill_attention(q [tokens, heads, dim], k_cache, v_cache, block_tables [spans, width] int64,
+query_starts [spans + 1] int64, positions [tokens] int64, scale, sliding_window (0: none))` -> [tokens, heads, dim]:
+span s is rows query_starts[s]..query_starts[s + 1] of q, each row attending to keys 0..its position of that span's
+sequence (the last `sliding_window` when set), read through block_tables[s]; head sizes 64 and 128, no soft-capping;
+built on AVX-512 CPUs only (`prefill_available()`).
+
 `gemv(x [1, in], weight [out, in] contiguous, scales [out] or None, bias [out] or None)` -> [1, out] =
 x (weight * scales)^T (+ bias), summed in fp32, in x's dtype (fp32 or bf16): a float weight is in x's dtype and
 takes no scales; an int8 weight takes one scale per row (layers/quantization.py's int8).
@@ -57,6 +63,11 @@ def available() -> bool:
     return bool(_loaded)
 
 
+def prefill_available() -> bool:
+    """Prompt attention is built for AVX-512 CPUs only; elsewhere prompts keep PyTorch's SDPA."""
+    return available() and hasattr(torch.ops.liteinfer, "paged_prefill_attention")
+
+
 # torch's builder waits for as long as its lock file exists, and a build that was killed leaves it behind: one older
 # than this is taken as such a leftover (a build takes about a minute on 2 cores).
 STALE_LOCK_SECONDS = 15 * 60
@@ -95,6 +106,12 @@ def _build() -> None:
     @torch.library.register_fake("liteinfer::gemv")
     def _(x, weight, scales, bias):
         return x.new_empty(1, weight.shape[0])
+
+    if hasattr(torch.ops.liteinfer, "paged_prefill_attention"):
+
+        @torch.library.register_fake("liteinfer::paged_prefill_attention")
+        def _(q, k_cache, v_cache, block_tables, query_starts, positions, scale, sliding_window):
+            return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("liteinfer::argmax")
     def _(logits):

@@ -1,6 +1,7 @@
-// Decode attention over the paged KV cache, reading each key and value row where it lies in the pool: one pass
-// over a sequence's keys, one over its values, no gathered copy of either. Registered (CPU) as
-// torch.ops.liteinfer.paged_decode_attention; liteinfer/kernels/__init__.py builds it and gives its contract.
+// Attention over the paged KV cache, reading each key and value row where it lies in the pool, no gathered copy.
+// Decode: one pass over a sequence's keys, one over its values. Prompts (AVX-512 builds): queries 16 rows at a time
+// against keys 16 at a time, softmax online. Registered (CPU) as torch.ops.liteinfer.paged_decode_attention and
+// paged_prefill_attention; liteinfer/kernels/__init__.py builds them and gives their contract.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -231,11 +232,197 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+#if defined(__AVX512F__)
+constexpr float kHidden = -1e30f;  // the score of a key a query may not see: e^(kHidden - max) is 0, with no infinities
+
+// e^x in 16 lanes: 2^(x log2 e) as 2^n (vscalefps, which also takes a hugely negative n to 0) times 2^f, |f| <= 1/2,
+// from the Taylor series of e^(f ln 2) to the 6th power (relative error ~1e-7).
+inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f));
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Prompt attention: the queries of each span (rows starts[s]..starts[s+1] of q, at positions[row]) against keys
+// 0..position of their sequence (the last `sliding_window` of them when set), read through the span's block table.
+// First every span's keys are widened to fp32 once, K transposed into panels of 16 keys ([dim][16]) and V as rows;
+// then each task takes 16 query rows with their group's heads against one KV head, a panel at a time: scores as
+// FMAs of broadcast query elements with panel rows (four queries per panel read), softmax online (a running max and
+// sum per query), the values summed in registers.
+template <typename scalar_t, int64_t kDim>
+void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_tables, const at::Tensor& starts_t, const at::Tensor& positions,
+                       at::Tensor& out, double scale, int64_t sliding_window) {
+  constexpr int64_t kRowsPerTask = 16, kPanel = 16;
+  const int64_t num_heads = q.size(1), kv_heads = k_cache.size(0), block_size = k_cache.size(2);
+  const int64_t group = num_heads / kv_heads, table_width = block_tables.size(1), spans = starts_t.numel() - 1;
+  const int64_t head_stride = k_cache.size(1) * block_size * kDim;
+  const scalar_t* q_data = q.data_ptr<scalar_t>();
+  const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* starts = starts_t.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  scalar_t* out_data = out.data_ptr<scalar_t>();
+
+  // Span s's keys 0..its last position, rounded up to whole panels, start at key_base[s] of each head's buffers.
+  std::vector<int64_t> key_base(spans + 1, 0), panel_span;
+  for (int64_t s = 0; s < spans; ++s) {
+    key_base[s + 1] = key_base[s] + (pos[starts[s + 1] - 1] + kPanel) / kPanel * kPanel;
+    for (int64_t k = key_base[s]; k < key_base[s + 1]; k += kPanel) panel_span.push_back(s);
+  }
+  const int64_t keys = key_base[spans], panels = static_cast<int64_t>(panel_span.size());
+  std::vector<float> k_panels(kv_heads * keys * kDim), v_rows(kv_heads * keys * kDim);
+  at::parallel_for(0, panels * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    float row[kDim];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task % kv_heads, panel = task / kv_heads, s = panel_span[panel];
+      const int64_t first = panel * kPanel - key_base[s], last = pos[starts[s + 1] - 1];
+      float* kp = k_panels.data() + (h * keys + panel * kPanel) * kDim;
+      float* vr = v_rows.data() + (h * keys + panel * kPanel) * kDim;
+      for (int64_t j = 0; j < kPanel; ++j) {
+        const int64_t key = first + j;
+        if (key > last) {  // past the span's last key: zeros, never seen (hidden by position)
+          for (int64_t d = 0; d < kDim; ++d) kp[d * kPanel + j] = vr[j * kDim + d] = 0.f;
+          continue;
+        }
+        const int64_t offset = h * head_stride + (tables[s * table_width + key / block_size] * block_size +
+                                                  key % block_size) * kDim;
+        to_float(k_data + offset, row, kDim);
+        for (int64_t d = 0; d < kDim; ++d) kp[d * kPanel + j] = row[d];
+        to_float(v_data + offset, vr + j * kDim, kDim);
+      }
+    }
+  });
+
+  std::vector<int64_t> task_span, task_row;  // (span, first query row) of each group of rows
+  for (int64_t s = 0; s < spans; ++s)
+    for (int64_t r = starts[s]; r < starts[s + 1]; r += kRowsPerTask) task_span.push_back(s), task_row.push_back(r);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  at::parallel_for(0, static_cast<int64_t>(task_span.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_queries = kRowsPerTask * group;
+    std::vector<float> query(max_queries * kDim), acc(max_queries * kDim), run_max(max_queries),
+        run_sum(max_queries), scores(max_queries * kPanel);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task % kv_heads, s = task_span[task / kv_heads], r0 = task_row[task / kv_heads];
+      const int64_t r1 = std::min(r0 + kRowsPerTask, starts[s + 1]), queries = (r1 - r0) * group;
+      for (int64_t i = 0; i < queries; ++i) {  // query i: row r0 + i / group, head h * group + i % group
+        float* qi = query.data() + i * kDim;
+        to_float(q_data + ((r0 + i / group) * num_heads + h * group + i % group) * kDim, qi, kDim);
+        for (int64_t d = 0; d < kDim; ++d) qi[d] *= static_cast<float>(scale);
+      }
+      std::fill(acc.begin(), acc.begin() + queries * kDim, 0.f);
+      std::fill(run_max.begin(), run_max.begin() + queries, kHidden);
+      std::fill(run_sum.begin(), run_sum.begin() + queries, 0.f);
+      // Positions grow along a span: the first row sees the first key, the last row the last.
+      const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, pos[r0] - sliding_window + 1) : 0, hi = pos[r1 - 1];
+      for (int64_t first = lo - lo % kPanel; first <= hi; first += kPanel) {
+        const float* kp = k_panels.data() + (h * keys + key_base[s] + first) * kDim;
+        const float* vr = v_rows.data() + (h * keys + key_base[s] + first) * kDim;
+        int64_t i = 0;
+        for (; i + 4 <= queries; i += 4) {  // four queries share each panel row read
+          __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+          const float* qi = query.data() + i * kDim;
+          for (int64_t d = 0; d < kDim; ++d) {
+            const __m512 k = _mm512_loadu_ps(kp + d * kPanel);
+            for (int64_t u = 0; u < 4; ++u) a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qi[u * kDim + d]), k, a[u]);
+          }
+          for (int64_t u = 0; u < 4; ++u) _mm512_storeu_ps(scores.data() + (i + u) * kPanel, a[u]);
+        }
+        for (; i < queries; ++i) {
+          __m512 a = _mm512_setzero_ps();
+          for (int64_t d = 0; d < kDim; ++d)
+            a = _mm512_fmadd_ps(_mm512_set1_ps(query[i * kDim + d]), _mm512_loadu_ps(kp + d * kPanel), a);
+          _mm512_storeu_ps(scores.data() + i * kPanel, a);
+        }
+        const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first)), lane);
+        for (int64_t i = 0; i < queries; ++i) {
+          const int64_t p = pos[r0 + i / group], window_start = sliding_window > 0 ? p - sliding_window + 1 : 0;
+          const __mmask16 visible = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(p))) &
+                                    _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(window_start)));
+          if (!visible) continue;
+          const __m512 x = _mm512_mask_blend_ps(visible, _mm512_set1_ps(kHidden), _mm512_loadu_ps(&scores[i * kPanel]));
+          const float new_max = std::max(run_max[i], _mm512_reduce_max_ps(x));
+          const float rescale = std::exp(run_max[i] - new_max);
+          const __m512 e = _mm512_maskz_mov_ps(visible, exp16(_mm512_sub_ps(x, _mm512_set1_ps(new_max))));
+          run_sum[i] = run_sum[i] * rescale + _mm512_reduce_add_ps(e);
+          run_max[i] = new_max;
+          alignas(64) float weights[kPanel];
+          _mm512_store_ps(weights, e);
+          float* ai = acc.data() + i * kDim;
+          __m512 a[kDim / 16];  // this query's output so far, rescaled to the new max, plus the panel's values
+          for (int64_t c = 0; c < kDim / 16; ++c)
+            a[c] = _mm512_mul_ps(_mm512_loadu_ps(ai + c * 16), _mm512_set1_ps(rescale));
+          for (int64_t j = 0; j < kPanel; ++j) {
+            const __m512 w = _mm512_set1_ps(weights[j]);
+            for (int64_t c = 0; c < kDim / 16; ++c)
+              a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + j * kDim + c * 16), a[c]);
+          }
+          for (int64_t c = 0; c < kDim / 16; ++c) _mm512_storeu_ps(ai + c * 16, a[c]);
+        }
+      }
+      for (int64_t i = 0; i < queries; ++i) {
+        scalar_t* dst = out_data + ((r0 + i / group) * num_heads + h * group + i % group) * kDim;
+        const float inv = 1.f / run_sum[i];
+        for (int64_t d = 0; d < kDim; ++d) dst[d] = static_cast<scalar_t>(acc[i * kDim + d] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& query_starts,
+                                   const at::Tensor& positions, double scale, int64_t sliding_window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "expected q [tokens, heads, dim] and K/V pools [kv_heads, blocks, block_size, dim]");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(0) == 0,
+              "q's head size or head count does not fit the pools");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the pools must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pools must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_starts.scalar_type() == at::kLong &&
+                  positions.scalar_type() == at::kLong,
+              "block tables, query starts and positions must be int64");
+  TORCH_CHECK(block_tables.dim() == 2 && query_starts.numel() == block_tables.size(0) + 1 &&
+                  positions.numel() == q.size(0),
+              "one block table per span, its start and end rows, and one position per query");
+  const at::Tensor q_ = q.contiguous(), tables = block_tables.contiguous(), starts = query_starts.contiguous(),
+                   pos = positions.contiguous();
+  const int64_t* starts_data = starts.data_ptr<int64_t>();
+  for (int64_t s = 0; s + 1 < starts.numel(); ++s)
+    TORCH_CHECK(starts_data[s] < starts_data[s + 1], "every span needs at least one query row");
+  TORCH_CHECK(starts_data[0] == 0 && starts_data[starts.numel() - 1] == q.size(0), "the spans must cover q's rows");
+  at::Tensor out = at::empty_like(q_);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
+    switch (q.size(2)) {
+      case 64: return prefill_attention<scalar_t, 64>(q_, k_cache, v_cache, tables, starts, pos, out, scale,
+                                                     sliding_window);
+      case 128: return prefill_attention<scalar_t, 128>(q_, k_cache, v_cache, tables, starts, pos, out, scale,
+                                                       sliding_window);
+      default: TORCH_CHECK(false, "paged_prefill_attention takes head sizes 64 and 128, not ", q.size(2));
+    }
+  });
+  return out;
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY(liteinfer, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor positions, "
         "float scale, int sliding_window, float softcap) -> Tensor");
+#if defined(__AVX512F__)  // elsewhere prompts keep PyTorch's SDPA
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_starts, "
+        "Tensor positions, float scale, int sliding_window) -> Tensor");
+#endif
 }
 
-TORCH_LIBRARY_IMPL(liteinfer, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(liteinfer, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+#if defined(__AVX512F__)
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+#endif
+}

@@ -7,14 +7,16 @@ at positions up to its own (and within the sliding window, for layers that have 
 
 Single-token steps (decodes) are batched into one call: on CPU, our kernel that reads each sequence's blocks where
 they lie in the pool (liteinfer.kernels); elsewhere, or where it could not be built, a grouped matmul over a
-gathered copy of the blocks. Each multi-token step (a prefill or a chunk of one) runs on its own through PyTorch's
-fused scaled-dot-product attention, so a long prefill never pads the decodes that share its step and never
+gathered copy of the blocks. Multi-token steps (a prefill or a chunk of one) are batched into one call of our prompt
+kernel on AVX-512 CPUs (head sizes 64 and 128, no soft-capping); otherwise each runs on its own through PyTorch's
+fused scaled-dot-product attention. Either way a long prefill never pads the decodes that share its step and never
 materialises its [queries, keys] score matrix.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,15 @@ class AttentionMetadata:
         # A size, not a stored int: under torch.compile it stays symbolic with the batch instead of fixing it.
         return self.decode_block_tables.shape[0]
 
+    @cached_property
+    def prefill_spans(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The spans as the prompt kernel takes them, built once a step: rows [S + 1] where each span starts (counted
+        from the first prefill row; the last entry is where they end) and block tables [S, width], padded with 0."""
+        first = self.prefills[0].start
+        starts = torch.tensor([span.start - first for span in self.prefills] + [self.prefills[-1].end - first])
+        tables = nn.utils.rnn.pad_sequence([span.block_table for span in self.prefills], batch_first=True)
+        return starts.to(tables.device), tables
+
 
 class PagedAttention(nn.Module):
     def __init__(
@@ -81,12 +92,26 @@ class PagedAttention(nn.Module):
         decodes = meta.num_decodes
         if decodes:
             outputs.append(self._attend_decodes(q[:decodes], meta.decode_block_tables, meta.positions[:decodes]))
+        if meta.prefills:
+            outputs.append(self._attend_prefills(q[decodes:], meta))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _attend_prefills(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The step's multi-token spans, q: [P, heads, dim] (the rows after the decodes) -> [P, heads * dim]."""
+        decodes = meta.num_decodes
+        if q.is_cpu and self.logit_softcap is None and self.head_dim in (64, 128) and kernels.prefill_available():
+            starts, tables = meta.prefill_spans
+            return torch.ops.liteinfer.paged_prefill_attention(
+                q, self.k_cache, self.v_cache, tables, starts, meta.positions[decodes:], self.scale,
+                self.sliding_window or 0,
+            ).flatten(1)
+        outputs = []
         for span in meta.prefills:
             positions = meta.positions[span.start : span.end]
             num_keys = int(positions[-1]) + 1
             keys, values = self._gather(span.block_table[None])
             keys, values = keys[:, 0, :num_keys], values[:, 0, :num_keys]  # [kv_heads, num_keys, dim]
-            outputs.append(self._attend_span(q[span.start : span.end], keys, values, positions))
+            outputs.append(self._attend_span(q[span.start - decodes : span.end - decodes], keys, values, positions))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,8 @@
-"""The CPU decode-attention kernel (liteinfer/kernels) against the PyTorch path it replaces: the same attention over
-a gathered copy of each sequence's blocks, on random pools, block tables and positions."""
+"""The CPU attention kernels (liteinfer/kernels) against the PyTorch paths they replace: the same attention over a
+gathered copy of each sequence's blocks (decodes) or through SDPA (prompts), on random pools, block tables and
+positions."""
+
+from unittest import mock
 
 import pytest
 import torch
@@ -7,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from liteinfer import kernels
-from liteinfer.layers import PagedAttention
+from liteinfer.layers import AttentionMetadata, PagedAttention, PrefillSpan
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -55,6 +58,43 @@ def test_kernel_matches_attention_over_gathered_blocks(data, dtype, kv_heads, gr
     torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 4),
+    dim=st.sampled_from([64, 128]),
+    block_size=st.sampled_from([1, 4, 16, 32]),
+    window=st.one_of(st.none(), st.integers(1, 40)),
+)
+def test_prompt_kernel_matches_sdpa_per_span(data, dtype, kv_heads, group, dim, block_size, window):
+    """Spans of 1-40 new tokens on top of 0-50 cached ones (prefix hits, chunked prefill), several per call."""
+    assert kernels.prefill_available()
+    attn = PagedAttention(kv_heads * group, kv_heads, dim, dim**-0.5, sliding_window=window)
+    num_blocks = 4 * -(-90 // block_size)  # room for four spans of up to 90 tokens
+    attn.k_cache = torch.randn(kv_heads, num_blocks, block_size, dim).to(dtype)
+    attn.v_cache = torch.randn(kv_heads, num_blocks, block_size, dim).to(dtype)
+    free = torch.randperm(num_blocks).tolist()
+    spans, positions, row = [], [], 0
+    for _ in range(data.draw(st.integers(1, 4), label="spans")):
+        context, length = data.draw(st.integers(0, 50), label="context"), data.draw(st.integers(1, 40), label="new")
+        width = -(-(context + length) // block_size)
+        spans.append(PrefillSpan(row, row + length, torch.tensor([free.pop() for _ in range(width)])))
+        positions += range(context, context + length)
+        row += length
+    meta = AttentionMetadata(slot_mapping=torch.zeros(row, dtype=torch.long), positions=torch.tensor(positions),
+                             decode_block_tables=torch.zeros(0, 1, dtype=torch.long), prefills=spans)
+    q = torch.randn(row, kv_heads * group, dim).to(dtype)
+
+    out = attn._attend_prefills(q, meta)  # the kernel, on CPU
+    with mock.patch.object(kernels, "prefill_available", return_value=False):
+        expected = attn._attend_prefills(q, meta)  # SDPA, one span at a time
+
+    assert out.dtype == dtype and out.shape == expected.shape
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
 def test_kernel_refuses_mismatched_inputs():
     assert kernels.load()
     pool = torch.zeros(2, 4, 4, 8)
@@ -66,6 +106,15 @@ def test_kernel_refuses_mismatched_inputs():
         op(torch.zeros(1, 3, 8), pool, pool, tables, positions, 1.0, 0, 0.0)
     with pytest.raises(RuntimeError, match="one block table and one position per query"):
         op(torch.zeros(2, 2, 8), pool, pool, tables, positions, 1.0, 0, 0.0)
+    prompt = torch.ops.liteinfer.paged_prefill_attention
+    pool = torch.zeros(2, 4, 4, 64)
+    with pytest.raises(RuntimeError, match="cover q's rows"):
+        prompt(torch.zeros(3, 2, 64), pool, pool, tables, torch.tensor([0, 2]), torch.arange(3), 1.0, 0)
+    with pytest.raises(RuntimeError, match="at least one query row"):
+        prompt(torch.zeros(0, 2, 64), pool, pool, tables, torch.tensor([0, 0]), torch.arange(0), 1.0, 0)
+    with pytest.raises(RuntimeError, match="head sizes 64 and 128"):
+        prompt(torch.zeros(2, 2, 8), torch.zeros(2, 4, 4, 8), torch.zeros(2, 4, 4, 8), tables, torch.tensor([0, 2]),
+               torch.arange(2), 1.0, 0)
 
 
 def test_engine_gives_the_same_tokens_on_the_fallback_path(tiny_llama_dir, monkeypatch):
