@@ -8,9 +8,9 @@ at positions up to its own (and within the sliding window, for layers that have 
 Single-token steps (decodes) are batched into one call: on CPU, our kernel that reads each sequence's blocks where
 they lie in the pool (liteinfer.kernels); elsewhere, or where it could not be built, a grouped matmul over a
 gathered copy of the blocks. Multi-token steps (a prefill or a chunk of one) are batched into one call of our prompt
-kernel on AVX-512 CPUs (head sizes 64 and 128, no soft-capping); otherwise each runs on its own through PyTorch's
-fused scaled-dot-product attention. Either way a long prefill never pads the decodes that share its step and never
-materialises its [queries, keys] score matrix.
+kernel on AVX-512 CPUs (head sizes 64 and 128, no soft-capping, up to 1,024 keys); otherwise each runs on its own
+through PyTorch's fused scaled-dot-product attention. Either way a long prefill never pads the decodes that share
+its step and never materialises its [queries, keys] score matrix.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from liteinfer import kernels
+
+PROMPT_KERNEL_MAX_KEYS = 1024  # see PagedAttention._prompt_kernel_takes
 
 
 @dataclass
@@ -52,13 +54,14 @@ class AttentionMetadata:
         return self.decode_block_tables.shape[0]
 
     @cached_property
-    def prefill_spans(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill_spans(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The spans as the prompt kernel takes them, built once a step: rows [S + 1] where each span starts (counted
-        from the first prefill row; the last entry is where they end) and block tables [S, width], padded with 0."""
+        from the first prefill row; the last entry is where they end), block tables [S, width] padded with 0, and the
+        most keys any of their queries reads."""
         first = self.prefills[0].start
         starts = torch.tensor([span.start - first for span in self.prefills] + [self.prefills[-1].end - first])
         tables = nn.utils.rnn.pad_sequence([span.block_table for span in self.prefills], batch_first=True)
-        return starts.to(tables.device), tables
+        return starts.to(tables.device), tables, int(self.positions[first:].max()) + 1
 
 
 class PagedAttention(nn.Module):
@@ -99,8 +102,8 @@ class PagedAttention(nn.Module):
     def _attend_prefills(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The step's multi-token spans, q: [P, heads, dim] (the rows after the decodes) -> [P, heads * dim]."""
         decodes = meta.num_decodes
-        if q.is_cpu and self.logit_softcap is None and self.head_dim in (64, 128) and kernels.prefill_available():
-            starts, tables = meta.prefill_spans
+        if self._prompt_kernel_takes(q, meta):
+            starts, tables, _ = meta.prefill_spans
             return torch.ops.liteinfer.paged_prefill_attention(
                 q, self.k_cache, self.v_cache, tables, starts, meta.positions[decodes:], self.scale,
                 self.sliding_window or 0,
@@ -113,6 +116,13 @@ class PagedAttention(nn.Module):
             keys, values = keys[:, 0, :num_keys], values[:, 0, :num_keys]  # [kv_heads, num_keys, dim]
             outputs.append(self._attend_span(q[span.start - decodes : span.end - decodes], keys, values, positions))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _prompt_kernel_takes(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Our prompt kernel: on AVX-512 CPUs, for head sizes 64 and 128 without soft-capping, and while no query reads
+        more than PROMPT_KERNEL_MAX_KEYS keys, past which PyTorch's flash SDPA is as fast or faster (bf16 at 2,048
+        keys: 38.7 vs 35.7 ms a layer; at 1,024: 10.1 vs 10.8; docs/benchmarks.md)."""
+        return (q.is_cpu and self.logit_softcap is None and self.head_dim in (64, 128) and kernels.prefill_available()
+                and meta.prefill_spans[2] <= PROMPT_KERNEL_MAX_KEYS)
 
     def _gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V of each sequence's blocks, [kv_heads, seqs, blocks * block_size, dim] (one copy each)."""

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from liteinfer import kernels
 from liteinfer.layers import AttentionMetadata, PagedAttention, PrefillSpan
+from liteinfer.layers.attention import PROMPT_KERNEL_MAX_KEYS
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -134,3 +135,25 @@ def test_engine_gives_the_same_tokens_on_the_fallback_path(tiny_llama_dir, monke
     monkeypatch.setattr(kernels, "_loaded", False)  # as load() leaves it after a failed build
     assert not kernels.available()
     assert generate() == with_kernel
+
+
+@pytest.mark.parametrize(
+    ("context", "uses_kernel"), [(PROMPT_KERNEL_MAX_KEYS - 2, True), (PROMPT_KERNEL_MAX_KEYS, False)]
+)
+def test_prompt_kernel_takes_spans_up_to_its_key_limit(context, uses_kernel):
+    """Past PROMPT_KERNEL_MAX_KEYS keys flash SDPA is as fast: such steps keep it, with the same result."""
+    assert kernels.prefill_available()
+    attn = PagedAttention(4, 2, 64, 0.125)
+    num_blocks = (context + 2) // 16 + 1
+    attn.k_cache, attn.v_cache = torch.randn(2, num_blocks, 16, 64), torch.randn(2, num_blocks, 16, 64)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(2, dtype=torch.long), positions=torch.arange(context, context + 2),
+        decode_block_tables=torch.zeros(0, 1, dtype=torch.long), prefills=[PrefillSpan(0, 2, torch.arange(num_blocks))],
+    )
+    q = torch.randn(2, 4, 64)
+    with torch.profiler.profile() as profile:
+        out = attn._attend_prefills(q, meta)
+    called = "liteinfer::paged_prefill_attention" in {event.key for event in profile.key_averages()}
+    assert called == uses_kernel
+    with mock.patch.object(kernels, "prefill_available", return_value=False):
+        torch.testing.assert_close(out, attn._attend_prefills(q, meta), atol=2e-5, rtol=2e-5)
