@@ -203,16 +203,21 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   });
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& positions, double scale,
-                                  int64_t sliding_window, double softcap) {
+// What both attention ops ask of q and the pools.
+void check_query_and_pools(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "expected q [seqs, heads, dim] and K/V pools [kv_heads, blocks, block_size, dim]");
+              "expected q [queries, heads, dim] and K/V pools [kv_heads, blocks, block_size, dim]");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(0) == 0,
               "q's head size or head count does not fit the pools");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "q and the pools must share a dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pools must be contiguous");
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& positions, double scale,
+                                  int64_t sliding_window, double softcap) {
+  check_query_and_pools(q, k_cache, v_cache);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
               "block tables and positions must be int64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && positions.numel() == q.size(0),
@@ -376,13 +381,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& query_starts,
                                    const at::Tensor& positions, double scale, int64_t sliding_window) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "expected q [tokens, heads, dim] and K/V pools [kv_heads, blocks, block_size, dim]");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(0) == 0,
-              "q's head size or head count does not fit the pools");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the pools must share a dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pools must be contiguous");
+  check_query_and_pools(q, k_cache, v_cache);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_starts.scalar_type() == at::kLong &&
                   positions.scalar_type() == at::kLong,
               "block tables, query starts and positions must be int64");

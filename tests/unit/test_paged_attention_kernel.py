@@ -14,6 +14,8 @@ from liteinfer.layers import AttentionMetadata, PagedAttention, PrefillSpan
 from liteinfer.layers.attention import PROMPT_KERNEL_MAX_KEYS
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+DTYPES = st.sampled_from(list(TOLERANCE))
+KV_HEADS, GROUPS = st.integers(1, 3), st.integers(1, 4)  # group: query heads per KV head
 
 
 def test_kernel_builds_here():
@@ -39,9 +41,9 @@ def make_case(data, dtype, kv_heads, group, dim, block_size, window, softcap):
 @settings(max_examples=60, deadline=None)
 @given(
     data=st.data(),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-    kv_heads=st.integers(1, 3),
-    group=st.integers(1, 4),
+    dtype=DTYPES,
+    kv_heads=KV_HEADS,
+    group=GROUPS,
     dim=st.sampled_from([64, 128, 40]),  # 40: the run-time head size, with a tail shorter than a vector
     block_size=st.sampled_from([1, 4, 16]),
     window=st.one_of(st.none(), st.integers(1, 20)),
@@ -62,9 +64,9 @@ def test_kernel_matches_attention_over_gathered_blocks(data, dtype, kv_heads, gr
 @settings(max_examples=60, deadline=None)
 @given(
     data=st.data(),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-    kv_heads=st.integers(1, 3),
-    group=st.integers(1, 4),
+    dtype=DTYPES,
+    kv_heads=KV_HEADS,
+    group=GROUPS,
     dim=st.sampled_from([64, 128]),
     block_size=st.sampled_from([1, 4, 16, 32]),
     window=st.one_of(st.none(), st.integers(1, 40)),
