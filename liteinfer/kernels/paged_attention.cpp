@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -280,14 +281,15 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
     for (int64_t k = key_base[s]; k < key_base[s + 1]; k += kPanel) panel_span.push_back(s);
   }
   const int64_t keys = key_base[spans], panels = static_cast<int64_t>(panel_span.size());
-  std::vector<float> k_panels(kv_heads * keys * kDim), v_rows(kv_heads * keys * kDim);
+  // Every element is written below (keys past a span's last position as zeros): allocated, not zero-filled first.
+  const std::unique_ptr<float[]> k_panels(new float[kv_heads * keys * kDim]), v_rows(new float[kv_heads * keys * kDim]);
   at::parallel_for(0, panels * kv_heads, 1, [&](int64_t begin, int64_t end) {
     float row[kDim];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task % kv_heads, panel = task / kv_heads, s = panel_span[panel];
       const int64_t first = panel * kPanel - key_base[s], last = pos[starts[s + 1] - 1];
-      float* kp = k_panels.data() + (h * keys + panel * kPanel) * kDim;
-      float* vr = v_rows.data() + (h * keys + panel * kPanel) * kDim;
+      float* kp = k_panels.get() + (h * keys + panel * kPanel) * kDim;
+      float* vr = v_rows.get() + (h * keys + panel * kPanel) * kDim;
       for (int64_t j = 0; j < kPanel; ++j) {
         const int64_t key = first + j;
         if (key > last) {  // past the span's last key: zeros, never seen (hidden by position)
@@ -325,8 +327,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
       // Positions grow along a span: the first row sees the first key, the last row the last.
       const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, pos[r0] - sliding_window + 1) : 0, hi = pos[r1 - 1];
       for (int64_t first = lo - lo % kPanel; first <= hi; first += kPanel) {
-        const float* kp = k_panels.data() + (h * keys + key_base[s] + first) * kDim;
-        const float* vr = v_rows.data() + (h * keys + key_base[s] + first) * kDim;
+        const float* kp = k_panels.get() + (h * keys + key_base[s] + first) * kDim;
+        const float* vr = v_rows.get() + (h * keys + key_base[s] + first) * kDim;
         int64_t i = 0;
         for (; i + 4 <= queries; i += 4) {  // four queries share each panel row read
           __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};

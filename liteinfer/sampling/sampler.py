@@ -77,18 +77,23 @@ class Sampler:
 
         # Greedy rows without penalties take the argmax of the raw logits, with no copy. Rows that a stage edits
         # (penalties, temperature, truncation) get a float copy of their own.
-        tokens = argmax_rows(logits)
         edited = [i for i, p in enumerate(params) if _uses_penalty(p) or not p.is_greedy]
-        if edited:
+        plain = [i for i, p in enumerate(params) if p.is_greedy and not _uses_penalty(p)]
+        if not edited:
+            tokens = argmax_rows(logits)
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            if plain:
+                tokens[plain] = argmax_rows(_take_rows(logits, plain))
             tokens[edited] = self._edited_tokens(
                 _take_rows(logits, edited).to(torch.float32, copy=len(edited) == len(rows)), [rows[i] for i in edited]
             )
         token_ids = tokens.tolist()
         # Below min_tokens, a raw argmax stands unless it is a token the row may not sample yet (then a row masked
         # as `_edited_tokens` masks it decides): the masked argmax is the same token in every other case.
-        edited_set = set(edited)
-        for i, row in enumerate(rows):
-            if i not in edited_set and row.below_min_tokens and token_ids[i] in self._stop_ids(row):
+        for i in plain:
+            row = rows[i]
+            if row.below_min_tokens and token_ids[i] in self._stop_ids(row):
                 masked = logits[i].to(torch.float32, copy=True)
                 masked[self._stop_ids(row)] = -float("inf")
                 token_ids[i] = int(argmax_rows(masked[None]))
