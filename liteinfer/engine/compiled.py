@@ -11,7 +11,7 @@ What the graph does differently from eager, and why:
   weights (`ShardSpec.build_model(prepack=False)`); once `warm_up` has compiled, the engine prepacks the model's
   own weights for the eager steps (the graphs never read them again), and any later recompile, which could not
   trace them, is refused.
-- Each layer's K/V pool tensor is written in place by the graph (an `index_copy_` that inductor keeps in place on
+- Each layer's K/V pool tensor is written in place by the graph (an `index_put_` that inductor keeps in place on
   the graph input), never copied; tests/integration/test_compiled.py checks the pool is not copied.
 - The batch size and the block-table width are dynamic, except that a batch of one gets a graph of its own (torch
   specialises sizes 0 and 1) and block tables are padded to two columns: two compiles in all, both made by
@@ -81,24 +81,25 @@ class CompiledDecoder:
 
     def __call__(self, step: StepInputs) -> torch.Tensor:
         meta = step.meta
-        input_ids, positions, slots = step.input_ids, meta.positions, meta.slot_mapping
+        input_ids, positions, blocks, offsets = step.input_ids, meta.positions, meta.slot_blocks, meta.slot_offsets
         tables = meta.decode_block_tables
         batch, width = tables.shape
         if self.cuda_graphs and batch > 1:
             # Extra rows repeat the first: they write the same K/V to the same slot, and their logits are dropped.
             rows = F.pad(torch.arange(batch, device=tables.device), (0, _next_power_of_two(batch) - batch))
-            input_ids, positions, slots, tables = input_ids[rows], positions[rows], slots[rows], tables[rows]
+            input_ids, positions, blocks, offsets, tables = (t[rows] for t in (input_ids, positions, blocks, offsets,
+                                                                               tables))
         # Padding columns are block 0, masked out by position like any other padding.
         padded_width = max(2, _next_power_of_two(width) if self.cuda_graphs else width)
         if padded_width > width:
             tables = F.pad(tables, (0, padded_width - width))
         if batch > 1:
-            for tensor in (input_ids, positions, slots, tables):
+            for tensor in (input_ids, positions, blocks, offsets, tables):
                 torch._dynamo.mark_dynamic(tensor, 0)
         torch._dynamo.mark_dynamic(tables, 1)
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's logits are consumed
-        meta = replace(meta, positions=positions, slot_mapping=slots, decode_block_tables=tables)
+        meta = replace(meta, positions=positions, slot_blocks=blocks, slot_offsets=offsets, decode_block_tables=tables)
         # After warm-up the model's weights are prepacked for eager steps, which the compiler cannot trace: an
         # unplanned shape must fail loudly rather than recompile.
         with torch.compiler.set_stance("fail_on_recompile" if self.warmed_up else "default"):
@@ -125,7 +126,8 @@ class CompiledDecoder:
                 cpp_wrapper = batch == 1 and not self.cuda_graphs
                 ids = torch.zeros(batch, dtype=torch.long, device=device)
                 meta = AttentionMetadata(
-                    slot_mapping=ids.clone(),
+                    slot_blocks=ids.clone(),
+                    slot_offsets=ids.clone(),
                     positions=ids.clone(),
                     decode_block_tables=torch.zeros(batch, 2, dtype=torch.long, device=device),
                     prefills=[],

@@ -71,7 +71,8 @@ class ModelRunner:
         # The Python work is per sequence, and per block (not per token) for the slots.
         tokens: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
         last_token: list[int] = []
         decode_tables: list[list[int]] = []
         prefills: list[PrefillSpan] = []
@@ -80,7 +81,9 @@ class ModelRunner:
             start, end, row = seq.num_computed_tokens, seq.num_computed_tokens + count, len(tokens)
             tokens += seq.token_ids[start:end]
             positions += range(start, end)
-            slots += cache_slots(seq.block_table, start, end, block_size)
+            blocks, offsets = cache_slots(seq.block_table, start, end, block_size)
+            slot_blocks += blocks
+            slot_offsets += offsets
             last_token.append(row + count - 1 if end == seq.num_tokens else -1)
             if count == 1:
                 decode_tables.append(seq.block_table)
@@ -90,7 +93,8 @@ class ModelRunner:
         width = max(map(len, decode_tables), default=0)
         padded = [table + [0] * (width - len(table)) for table in decode_tables]
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=device),
+            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             decode_block_tables=torch.tensor(padded, dtype=torch.long, device=device).view(len(padded), width),
             prefills=prefills,
@@ -98,11 +102,13 @@ class ModelRunner:
         return order, torch.tensor(tokens, dtype=torch.long, device=device), meta, last_token
 
 
-def cache_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """The cache slots of positions [start, end) of a sequence with this block table: a run of consecutive slots per
-    block."""
-    slots: list[int] = []
+def cache_slots(block_table: list[int], start: int, end: int, block_size: int) -> tuple[list[int], list[int]]:
+    """The cache slots of positions [start, end) of a sequence with this block table, as the block and the row in
+    it of each: a run of rows per block."""
+    blocks: list[int] = []
+    offsets: list[int] = []
     for first in range(start - start % block_size, end, block_size):  # the first position of each block touched
-        offset = block_table[first // block_size] * block_size - first  # slot = position + offset in this block
-        slots += range(max(start, first) + offset, min(end, first + block_size) + offset)
-    return slots
+        lo, hi = max(start, first), min(end, first + block_size)
+        blocks += [block_table[first // block_size]] * (hi - lo)
+        offsets += range(lo - first, hi - first)
+    return blocks, offsets

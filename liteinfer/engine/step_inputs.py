@@ -2,10 +2,10 @@
 
 Every rank runs the same forward over the same packed batch, so each needs the step's token ids, positions, cache
 slots and block tables; the scheduler, the sequences and the sampler stay on rank 0. All of it is small integers,
-packed into one int64 buffer: 3 per new token (id, position, slot), the block tables of the sequences in the
-step (one int per `block_size` tokens of context: the only part that grows with sequence length), 3 per prefill
-span and 1 per sampling row. A decode step of 64 sequences at 1k tokens of context with 16-token blocks is about
-5k ints (40 KB); no text, no logits, no K/V.
+packed into one int64 buffer: 4 per new token (id, position, cache block and row in it), the block tables of the
+sequences in the step (one int per `block_size` tokens of context: the only part that grows with sequence length),
+3 per prefill span and 1 per sampling row. A decode step of 64 sequences at 1k tokens of context with 16-token
+blocks is about 5k ints (40 KB); no text, no logits, no K/V.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ class StepInputs:
         spans = torch.tensor([[s.start, s.end, len(s.block_table)] for s in meta.prefills], dtype=torch.long)
         header = torch.tensor([len(self.input_ids), meta.num_decodes, decode_tables.shape[1] if meta.num_decodes else 0,
                                len(meta.prefills), len(self.sample_rows)])
-        parts = [header, self.input_ids, meta.positions, meta.slot_mapping, decode_tables.flatten(), spans.flatten(),
+        parts = [header, self.input_ids, meta.positions, meta.slot_blocks, meta.slot_offsets, decode_tables.flatten(),
+                 spans.flatten(),
                  *(s.block_table for s in meta.prefills), self.sample_rows]
         return torch.cat([p.to("cpu", torch.long) for p in parts]).numpy().tobytes()
 
@@ -46,13 +47,15 @@ class StepInputs:
             offset += count
             return flat[offset - count : offset]
 
-        input_ids, positions, slots = take(num_tokens), take(num_tokens), take(num_tokens)
+        input_ids, positions = take(num_tokens), take(num_tokens)
+        slot_blocks, slot_offsets = take(num_tokens), take(num_tokens)
         decode_tables = take(num_decodes * max_blocks).view(num_decodes, max_blocks)
         spans = take(num_prefills * 3).view(num_prefills, 3).tolist()
         prefills = [PrefillSpan(start, end, take(blocks).to(device)) for start, end, blocks in spans]
         sample_rows = take(num_rows)
         meta = AttentionMetadata(
-            slot_mapping=slots.to(device),
+            slot_blocks=slot_blocks.to(device),
+            slot_offsets=slot_offsets.to(device),
             positions=positions.to(device),
             decode_block_tables=decode_tables.to(device),
             prefills=prefills,

@@ -10,7 +10,7 @@ arithmetic, which tests/unit/test_paged_attention_kernel.py, test_gemv_kernel.py
 the ops to.
 `available()` only reports what `load()` did, so that a traced forward can ask without building anything.
 
-`paged_decode_attention(q [seqs, heads, dim], k_cache, v_cache [kv_heads, blocks, block_size, dim],
+`paged_decode_attention(q [seqs, heads, dim], k_cache, v_cache [blocks, kv_heads, block_size, dim],
 block_tables [seqs, width] int64, positions [seqs] int64, scale, sliding_window (0: none), softcap (0: none))`
 -> [seqs, heads, dim]: each query attends to keys 0..its position (the last `sliding_window` of them when set) of
 its sequence, read through its block table; grouped query heads share a KV head; softmax in fp32.

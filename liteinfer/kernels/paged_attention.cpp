@@ -103,9 +103,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                       const at::Tensor& block_tables, const at::Tensor& positions, at::Tensor& out, double scale,
                       int64_t sliding_window, double softcap) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), dim = kDim > 0 ? kDim : q.size(2);
-  const int64_t kv_heads = k_cache.size(0), block_size = k_cache.size(2);
+  const int64_t kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = num_heads / kv_heads, table_width = block_tables.size(1);
-  const int64_t head_stride = k_cache.size(1) * block_size * dim;  // between KV heads in a pool
   const scalar_t* q_data = q.data_ptr<scalar_t>();
   const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
   const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
@@ -131,7 +130,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                 num_keys};
   };
   auto block_of = [&](const scalar_t* pool, const Task& t, int64_t start) {
-    return pool + t.kv_head * head_stride + tables[t.seq * table_width + start / block_size] * block_size * dim;
+    return pool + (tables[t.seq * table_width + start / block_size] * kv_heads + t.kv_head) * block_size * dim;
   };
 
   // The query heads of a task's group share every row read.
@@ -207,8 +206,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 // What both attention ops ask of q and the pools.
 void check_query_and_pools(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "expected q [queries, heads, dim] and K/V pools [kv_heads, blocks, block_size, dim]");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(0) == 0,
+              "expected q [queries, heads, dim] and K/V pools [blocks, kv_heads, block_size, dim]");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0,
               "q's head size or head count does not fit the pools");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "q and the pools must share a dtype");
@@ -263,9 +262,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
                        const at::Tensor& block_tables, const at::Tensor& starts_t, const at::Tensor& positions,
                        at::Tensor& out, double scale, int64_t sliding_window) {
   constexpr int64_t kRowsPerTask = 16, kPanel = 16;
-  const int64_t num_heads = q.size(1), kv_heads = k_cache.size(0), block_size = k_cache.size(2);
+  const int64_t num_heads = q.size(1), kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = num_heads / kv_heads, table_width = block_tables.size(1), spans = starts_t.numel() - 1;
-  const int64_t head_stride = k_cache.size(1) * block_size * kDim;
   const scalar_t* q_data = q.data_ptr<scalar_t>();
   const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
   const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
@@ -296,8 +294,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
           for (int64_t d = 0; d < kDim; ++d) kp[d * kPanel + j] = vr[j * kDim + d] = 0.f;
           continue;
         }
-        const int64_t offset = h * head_stride + (tables[s * table_width + key / block_size] * block_size +
-                                                  key % block_size) * kDim;
+        const int64_t offset =
+            ((tables[s * table_width + key / block_size] * kv_heads + h) * block_size + key % block_size) * kDim;
         to_float(k_data + offset, row, kDim);
         for (int64_t d = 0; d < kDim; ++d) kp[d * kPanel + j] = row[d];
         to_float(v_data + offset, vr + j * kDim, kDim);

@@ -43,7 +43,8 @@ class AttentionMetadata:
     The packed batch holds the decodes first (`num_decodes` tokens, one per sequence), then the prefill spans.
     """
 
-    slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of each new token
+    slot_blocks: torch.Tensor  # [T] the pool block that holds each new token's K/V
+    slot_offsets: torch.Tensor  # [T] its row within that block
     positions: torch.Tensor  # [T] position of each new token in its sequence
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0 (masked out by position)
     prefills: list[PrefillSpan]
@@ -79,16 +80,15 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
-        # Bound by the model runner to this layer's slice of the pool: [kv_heads, num_blocks, block_size, dim].
+        # Bound by the model runner to this layer's slice of the pool: [num_blocks, kv_heads, block_size, dim].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, heads * dim], k, v: [T, kv_heads * dim] -> [T, heads * dim]."""
         num_tokens, dim, kv_heads = q.shape[0], self.head_dim, self.num_kv_heads
-        k_slots, v_slots = self.k_cache.flatten(1, 2), self.v_cache.flatten(1, 2)  # [kv_heads, slots, dim]
-        k_slots.index_copy_(1, meta.slot_mapping, k.view(num_tokens, kv_heads, dim).transpose(0, 1))
-        v_slots.index_copy_(1, meta.slot_mapping, v.view(num_tokens, kv_heads, dim).transpose(0, 1))
+        self.k_cache[meta.slot_blocks, :, meta.slot_offsets] = k.view(num_tokens, kv_heads, dim)
+        self.v_cache[meta.slot_blocks, :, meta.slot_offsets] = v.view(num_tokens, kv_heads, dim)
         q = q.view(num_tokens, self.num_heads, dim)
 
         outputs = []
@@ -128,7 +128,7 @@ class PagedAttention(nn.Module):
         """The K and V of each sequence's blocks, [kv_heads, seqs, blocks * block_size, dim] (one copy each)."""
         shape = (self.num_kv_heads, block_tables.shape[0], -1, self.head_dim)
         flat = block_tables.flatten()
-        return self.k_cache.index_select(1, flat).view(shape), self.v_cache.index_select(1, flat).view(shape)
+        return tuple(pool.transpose(0, 1).index_select(1, flat).view(shape) for pool in (self.k_cache, self.v_cache))
 
     def _attend_decodes(self, q: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One new token per sequence, q: [D, heads, dim] -> [D, heads * dim]."""

@@ -12,5 +12,6 @@ from liteinfer.engine.model_runner import cache_slots
 def test_cache_slots_are_each_positions_block_and_offset(block_size, table, data):
     end = data.draw(st.integers(1, len(table) * block_size))
     start = data.draw(st.integers(0, end - 1))
-    expected = [table[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]
-    assert cache_slots(table, start, end, block_size) == expected
+    blocks, offsets = cache_slots(table, start, end, block_size)
+    assert blocks == [table[pos // block_size] for pos in range(start, end)]
+    assert offsets == [pos % block_size for pos in range(start, end)]

@@ -27,8 +27,8 @@ def test_kernel_builds_here():
 def make_case(data, dtype, kv_heads, group, dim, block_size, window, softcap):
     attn = PagedAttention(kv_heads * group, kv_heads, dim, dim**-0.5, sliding_window=window, logit_softcap=softcap)
     num_blocks = 24
-    attn.k_cache = torch.randn(kv_heads, num_blocks, block_size, dim).to(dtype)
-    attn.v_cache = torch.randn(kv_heads, num_blocks, block_size, dim).to(dtype)
+    attn.k_cache = torch.randn(num_blocks, kv_heads, block_size, dim).to(dtype)
+    attn.v_cache = torch.randn(num_blocks, kv_heads, block_size, dim).to(dtype)
     num_seqs = data.draw(st.integers(1, 5), label="seqs")
     width = data.draw(st.integers(1, num_blocks // num_seqs), label="table width")
     # Each sequence owns distinct blocks, in random order across the pool; a position may fall anywhere in its table.
@@ -76,8 +76,8 @@ def test_prompt_kernel_matches_sdpa_per_span(data, dtype, kv_heads, group, dim, 
     assert kernels.prefill_available()
     attn = PagedAttention(kv_heads * group, kv_heads, dim, dim**-0.5, sliding_window=window)
     num_blocks = 4 * -(-90 // block_size)  # room for four spans of up to 90 tokens
-    attn.k_cache = torch.randn(kv_heads, num_blocks, block_size, dim).to(dtype)
-    attn.v_cache = torch.randn(kv_heads, num_blocks, block_size, dim).to(dtype)
+    attn.k_cache = torch.randn(num_blocks, kv_heads, block_size, dim).to(dtype)
+    attn.v_cache = torch.randn(num_blocks, kv_heads, block_size, dim).to(dtype)
     free = torch.randperm(num_blocks).tolist()
     spans, positions, row = [], [], 0
     for _ in range(data.draw(st.integers(1, 4), label="spans")):
@@ -86,7 +86,8 @@ def test_prompt_kernel_matches_sdpa_per_span(data, dtype, kv_heads, group, dim, 
         spans.append(PrefillSpan(row, row + length, torch.tensor([free.pop() for _ in range(width)])))
         positions += range(context, context + length)
         row += length
-    meta = AttentionMetadata(slot_mapping=torch.zeros(row, dtype=torch.long), positions=torch.tensor(positions),
+    no_slots = torch.zeros(row, dtype=torch.long)  # the K/V are in the pools already
+    meta = AttentionMetadata(slot_blocks=no_slots, slot_offsets=no_slots, positions=torch.tensor(positions),
                              decode_block_tables=torch.zeros(0, 1, dtype=torch.long), prefills=spans)
     q = torch.randn(row, kv_heads * group, dim).to(dtype)
 
@@ -100,7 +101,7 @@ def test_prompt_kernel_matches_sdpa_per_span(data, dtype, kv_heads, group, dim, 
 
 def test_kernel_refuses_mismatched_inputs():
     assert kernels.load()
-    pool = torch.zeros(2, 4, 4, 8)
+    pool = torch.zeros(4, 2, 4, 8)  # [blocks, kv_heads, block_size, dim]
     tables, positions = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
     op = torch.ops.liteinfer.paged_decode_attention
     with pytest.raises(RuntimeError, match="share a dtype"):
@@ -110,13 +111,13 @@ def test_kernel_refuses_mismatched_inputs():
     with pytest.raises(RuntimeError, match="one block table and one position per query"):
         op(torch.zeros(2, 2, 8), pool, pool, tables, positions, 1.0, 0, 0.0)
     prompt = torch.ops.liteinfer.paged_prefill_attention
-    pool = torch.zeros(2, 4, 4, 64)
+    pool = torch.zeros(4, 2, 4, 64)
     with pytest.raises(RuntimeError, match="cover q's rows"):
         prompt(torch.zeros(3, 2, 64), pool, pool, tables, torch.tensor([0, 2]), torch.arange(3), 1.0, 0)
     with pytest.raises(RuntimeError, match="at least one query row"):
         prompt(torch.zeros(0, 2, 64), pool, pool, tables, torch.tensor([0, 0]), torch.arange(0), 1.0, 0)
     with pytest.raises(RuntimeError, match="head sizes 64 and 128"):
-        prompt(torch.zeros(2, 2, 8), torch.zeros(2, 4, 4, 8), torch.zeros(2, 4, 4, 8), tables, torch.tensor([0, 2]),
+        prompt(torch.zeros(2, 2, 8), torch.zeros(4, 2, 4, 8), torch.zeros(4, 2, 4, 8), tables, torch.tensor([0, 2]),
                torch.arange(2), 1.0, 0)
 
 
@@ -147,9 +148,10 @@ def test_prompt_kernel_takes_spans_up_to_its_key_limit(context, uses_kernel):
     assert kernels.prefill_available()
     attn = PagedAttention(4, 2, 64, 0.125)
     num_blocks = (context + 2) // 16 + 1
-    attn.k_cache, attn.v_cache = torch.randn(2, num_blocks, 16, 64), torch.randn(2, num_blocks, 16, 64)
+    attn.k_cache, attn.v_cache = torch.randn(num_blocks, 2, 16, 64), torch.randn(num_blocks, 2, 16, 64)
+    no_slots = torch.zeros(2, dtype=torch.long)  # the K/V are in the pools already
     meta = AttentionMetadata(
-        slot_mapping=torch.zeros(2, dtype=torch.long), positions=torch.arange(context, context + 2),
+        slot_blocks=no_slots, slot_offsets=no_slots, positions=torch.arange(context, context + 2),
         decode_block_tables=torch.zeros(0, 1, dtype=torch.long), prefills=[PrefillSpan(0, 2, torch.arange(num_blocks))],
     )
     q = torch.randn(2, 4, 64)
