@@ -32,8 +32,7 @@ class StepInputs:
         header = torch.tensor([len(self.input_ids), meta.num_decodes, decode_tables.shape[1] if meta.num_decodes else 0,
                                len(meta.prefills), len(self.sample_rows)])
         parts = [header, self.input_ids, meta.positions, meta.slot_blocks, meta.slot_offsets, decode_tables.flatten(),
-                 spans.flatten(),
-                 *(s.block_table for s in meta.prefills), self.sample_rows]
+                 spans.flatten(), *(s.block_table for s in meta.prefills), self.sample_rows]
         return torch.cat([p.to("cpu", torch.long) for p in parts]).numpy().tobytes()
 
     @classmethod

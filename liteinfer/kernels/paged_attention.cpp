@@ -18,6 +18,12 @@
 
 namespace {
 
+// Where a block's rows for one KV head start in a pool laid out [blocks, kv_heads, block_size, dim], in elements.
+// Both kernels address the pools through it.
+inline int64_t block_start(int64_t block, int64_t kv_head, int64_t kv_heads, int64_t block_size, int64_t dim) {
+  return (block * kv_heads + kv_head) * block_size * dim;
+}
+
 // Widens a cache row to fp32. bf16 is spelled as the bit shift it is, so that the compiler vectorises it.
 template <typename scalar_t>
 inline void to_float(const scalar_t* src, float* dst, int64_t n) {
@@ -130,7 +136,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                 num_keys};
   };
   auto block_of = [&](const scalar_t* pool, const Task& t, int64_t start) {
-    return pool + (tables[t.seq * table_width + start / block_size] * kv_heads + t.kv_head) * block_size * dim;
+    return pool + block_start(tables[t.seq * table_width + start / block_size], t.kv_head, kv_heads, block_size, dim);
   };
 
   // The query heads of a task's group share every row read.
@@ -294,8 +300,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
           for (int64_t d = 0; d < kDim; ++d) kp[d * kPanel + j] = vr[j * kDim + d] = 0.f;
           continue;
         }
-        const int64_t offset =
-            ((tables[s * table_width + key / block_size] * kv_heads + h) * block_size + key % block_size) * kDim;
+        const int64_t offset = block_start(tables[s * table_width + key / block_size], h, kv_heads, block_size, kDim) +
+                               key % block_size * kDim;
         to_float(k_data + offset, row, kDim);
         for (int64_t d = 0; d < kDim; ++d) kp[d * kPanel + j] = row[d];
         to_float(v_data + offset, vr + j * kDim, kDim);
