@@ -5,7 +5,7 @@ engine's throughput divided by this one's says how much of the step is left to e
 Each step computes one token of every sequence whose prompt is done and, with what is left of the token budget,
 prompt tokens of the others (chunked prefill, oldest first, as liteinfer's scheduler does); the KV cache is
 unbounded (no preemption). The weights are random, of the model's shapes and in the benchmark's precision,
-prepacked for oneDNN the way liteinfer's eager path holds them: a weight's values do not change its speed. The
+packed the way liteinfer holds them (`layers/linear.py: pack_linears`): a weight's values do not change its speed. The
 LM head runs only on the rows that sample. Output token ids are all 0: the harness checks only their count.
 """
 
@@ -18,8 +18,7 @@ import torch
 from benchmarks.metrics import RequestTrace
 from benchmarks.runners.base import TORCH_DTYPES, EngineRunner
 from benchmarks.workloads import BenchRequest
-from liteinfer.engine.workers import PREPACK_BATCH_HINT
-from liteinfer.layers.linear import linear, prepack_linears
+from liteinfer.layers.linear import linear, pack_linears
 from liteinfer.models import get_model_class
 from liteinfer.models.source import load_config, resolve_model
 
@@ -50,7 +49,7 @@ class LinearsRooflineRunner(EngineRunner):
             torch.nn.Linear(n_in, n_out, bias=False, dtype=dtype) for _ in spec.layer_types for n_in, n_out in layer)
         model.lm_head = torch.nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
         model.requires_grad_(False)
-        prepack_linears(model, PREPACK_BATCH_HINT, (torch.nn.Linear,))
+        pack_linears(model, (torch.nn.Linear,))
         self.linears, self.lm_head = list(model.linears), model.lm_head
         # One contiguous input per width, as each linear gets in the model.
         self.inputs = {n_in: torch.randn(self.budget, n_in, dtype=dtype) for n_in, _ in layer}

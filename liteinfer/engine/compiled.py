@@ -5,19 +5,22 @@ run the eager model: their span structure changes every step (a recompile each t
 enough that a graph gains little over eager.
 
 What the graph does differently from eager, and why:
-- Weights are folded in by inductor's freezing, which prepacks every linear of the batched graph for oneDNN. The
-  batch-of-one graph's linears call our GEMV kernel (`layers/linear.py: linear`, `kernels/gemv.cpp`) on the plain
-  weights instead, faster than oneDNN at one row. Tracing needs plain tensors, so the model comes with plain float
-  weights (`ShardSpec.build_model(prepack=False)`); once `warm_up` has compiled, the engine prepacks the model's
-  own weights for the eager steps (the graphs never read them again), and any later recompile, which could not
-  trace them, is refused.
+- The linears multiply through our packed-linear kernel (`layers/linear.py: linear`, `kernels/packed_linear.cpp`)
+  in both graphs: the engine packs the float weights for it before compiling (`ShardSpec.build_model`), as plain
+  tensors that the graphs take as constants (inductor's freezing). Weights the kernel cannot take (an output count
+  that 16 does not divide; a CPU without AVX-512 BF16) stay plain for the tracer: freezing then prepacks them for
+  oneDNN in the batched graph, and the batch-of-one graph streams them through our GEMV (`kernels/gemv.cpp`).
+  oneDNN's packed tensors cannot be traced, so once `warm_up` has compiled, the engine prepacks those plain
+  weights for the eager steps (the graphs never read them again), and any later recompile, which could not trace
+  them, is refused.
 - Each layer's K/V pool tensor is written in place by the graph (an `index_put_` that inductor keeps in place on
   the graph input), never copied; tests/integration/test_compiled.py checks the pool is not copied.
 - The batch size and the block-table width are dynamic, except that a batch of one gets a graph of its own (torch
   specialises sizes 0 and 1) and block tables are padded to two columns: two compiles in all, both made by
-  `warm_up` when the engine starts, so no request waits for one. Frozen oneDNN weights cannot be pickled, so
-  inductor's on-disk graph cache is bypassed: every start compiles again (for SmolLM2 on 2 cores about 60 s, ~35 s
-  once inductor has its C++ kernels cached on disk).
+  `warm_up` when the engine starts, so no request waits for one. Graphs whose weights are all packed for our
+  kernel are kept in inductor's on-disk graph cache, keyed by the weights' shapes (the model's own weights are
+  bound to them when loaded): SmolLM2 starts in ~20 s on 2 cores once cached. Frozen oneDNN weights cannot be
+  pickled, so a graph that holds any bypasses that cache and compiles at every start (~35-60 s for SmolLM2).
 - Guards on module attributes are skipped (they cost about 1 ms per step with quantized weights, checked every
   call): the graphs read no weight from the module, and the pool tensors are never rebound.
 - On CUDA the graph is replayed as CUDA graphs (inductor's cudagraph trees), captured the first times each padded

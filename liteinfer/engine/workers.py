@@ -38,7 +38,7 @@ from liteinfer.cache import KVCache
 from liteinfer.distributed import TensorParallelGroup
 from liteinfer.engine.step_inputs import StepInputs
 from liteinfer.layers import LMHead
-from liteinfer.layers.linear import Linear, prepack_linears
+from liteinfer.layers.linear import Linear, pack_linears
 from liteinfer.layers.quantization import quantize_linears
 from liteinfer.models import get_model_class
 from liteinfer.models.loader import build_model, iter_checkpoint
@@ -47,8 +47,6 @@ from liteinfer.models.source import ModelSource
 # Connecting to the store; the workers' start-up (imports) happens before they connect, so this is generous.
 _STORE_TIMEOUT = timedelta(minutes=5)
 _STOP_GRACE_S = 10.0  # how long a worker gets to leave on its own before it is terminated
-# oneDNN picks the prepacked weight layout for about this many rows per GEMM: a full decode batch.
-PREPACK_BATCH_HINT = 32
 
 
 class WorkerError(RuntimeError):
@@ -71,14 +69,14 @@ class ShardSpec:
         return torch.device("cuda", rank) if self.device_type == "cuda" else torch.device("cpu")
 
     def build_model(self, tp: TensorParallelGroup, device: torch.device, prepack: bool = True) -> nn.Module:
-        """prepack=False keeps the float weights plain, as torch.compile needs them to trace (engine/compiled.py)."""
+        """prepack=False leaves plain the float weights that our packed linear cannot take, as torch.compile needs
+        them to trace (engine/compiled.py)."""
         model_cls = get_model_class(self.hf_config.architectures)
         checkpoint = iter_checkpoint(self.source, self.hf_config, lazy=True)
         model = build_model(model_cls, self.hf_config, self.dtype, device, checkpoint, tp)
         if self.quantization is not None:
             quantize_linears(model, self.quantization)
-        if prepack:
-            prepack_for_eager(model)
+        pack_linears(model, (Linear, LMHead), onednn=prepack)
         return model
 
     def kv_cache_dims(self, tp: TensorParallelGroup) -> tuple[int, int, int]:
@@ -94,8 +92,8 @@ class ShardSpec:
 
 
 def prepack_for_eager(model: nn.Module) -> None:
-    """Reorder the float weights that quantization left (all of them without it) for oneDNN's eager kernels."""
-    prepack_linears(model, PREPACK_BATCH_HINT, (Linear, LMHead))
+    """Pack the float weights that quantization left (all of them without it) for the eager steps' kernels."""
+    pack_linears(model, (Linear, LMHead))
 
 
 def run_step(model: nn.Module, step: StepInputs) -> torch.Tensor | None:

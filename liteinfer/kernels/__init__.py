@@ -1,13 +1,14 @@
 """Kernels of our own, in C++, for what PyTorch has no fast op for on CPU: decode attention that reads the paged KV
-pool in place, the one-row matmul of a single sequence's decode step, and the greedy argmax of a step's logits.
+pool in place, float linears on weights packed for them, the one-row matmul of int8 weights (and of float ones where
+the packed kernel is not built), and the greedy argmax of a step's logits.
 
 Contract: `load()` compiles the sources next to this file with the machine's C++ compiler (torch's extension
 builder; the first time only, then cached under TORCH_EXTENSIONS_DIR, one build per CPU, Python and torch, since
 the build targets the CPU that made it) and registers their ops under
 `torch.ops.liteinfer`, each with a fake implementation so that `torch.compile` traces through it. Where they cannot
 be built (no compiler), `load()` logs why and returns False, and callers keep the plain PyTorch path: the same
-arithmetic, which tests/unit/test_paged_attention_kernel.py, test_gemv_kernel.py and test_argmax_kernel.py hold
-the ops to.
+arithmetic, which tests/unit/test_paged_attention_kernel.py, test_gemv_kernel.py, test_packed_linear_kernel.py
+and test_argmax_kernel.py hold the ops to.
 `available()` only reports what `load()` did, so that a traced forward can ask without building anything.
 
 `paged_decode_attention(q [seqs, heads, dim], k_cache, v_cache [blocks, kv_heads, block_size, dim],
@@ -20,6 +21,11 @@ query_starts [spans + 1] int64, positions [tokens] int64, scale, sliding_window 
 span s is rows query_starts[s]..query_starts[s + 1] of q, each row attending to keys 0..its position of that span's
 sequence (the last `sliding_window` when set), read through block_tables[s]; head sizes 64 and 128, no soft-capping;
 built on AVX-512 CPUs only (`prefill_available()`).
+
+`packed_linear(x [rows, in], weight [out / 16, in / pair, 16, pair], bias [out] or None)` -> [rows, out] =
+x W^T (+ bias), summed in fp32, in x's dtype (fp32: pair 1; bf16: pair 2), for W [out, in] packed by
+`layers/linear.py: pack_weight` (16 outputs' weights for one input pair side by side); built on CPUs with AVX-512
+and its BF16 extension only (`packed_linear_available()`).
 
 `gemv(x [1, in], weight [out, in] contiguous, scales [out] or None, bias [out] or None)` -> [1, out] =
 x (weight * scales)^T (+ bias), summed in fp32, in x's dtype (fp32 or bf16): a float weight is in x's dtype and
@@ -68,6 +74,13 @@ def prefill_available() -> bool:
     return available() and hasattr(torch.ops.liteinfer, "paged_prefill_attention")
 
 
+def packed_linear_available() -> bool:
+    """The packed linear is built for AVX-512 CPUs with BF16 only; elsewhere float weights stay oneDNN's."""
+    return available() and hasattr(torch.ops.liteinfer, "packed_linear")
+
+
+SOURCES = ("paged_attention.cpp", "gemv.cpp", "packed_linear.cpp", "argmax.cpp")
+
 # torch's builder waits for as long as its lock file exists, and a build that was killed leaves it behind: one older
 # than this is taken as such a leftover (a build takes about a minute on 2 cores).
 STALE_LOCK_SECONDS = 15 * 60
@@ -89,7 +102,7 @@ def _build() -> None:
     remove_stale_lock(build_directory)
     cpp_extension.load(
         name=name,
-        sources=[str(Path(__file__).with_name(source)) for source in ("paged_attention.cpp", "gemv.cpp", "argmax.cpp")],
+        sources=[str(Path(__file__).with_name(source)) for source in SOURCES],
         # -march=native: built for the CPU that runs it (hence one build per CPU). -ffast-math lets the compiler
         # vectorise exp and reassociate sums: attention and the GEMV see no infinities or NaNs; the argmax sees -inf
         # (masked logits), which its tests include.
@@ -106,6 +119,12 @@ def _build() -> None:
     @torch.library.register_fake("liteinfer::gemv")
     def _(x, weight, scales, bias):
         return x.new_empty(1, weight.shape[0])
+
+    if hasattr(torch.ops.liteinfer, "packed_linear"):
+
+        @torch.library.register_fake("liteinfer::packed_linear")
+        def _(x, weight, bias):
+            return x.new_empty(x.shape[0], weight.shape[0] * 16)
 
     if hasattr(torch.ops.liteinfer, "paged_prefill_attention"):
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch._dynamo.utils import counters
 from torch._inductor.graph import GraphLowering
 
-from liteinfer import LLM, AsyncLLM, SamplingParams
+from liteinfer import LLM, AsyncLLM, SamplingParams, kernels
 from liteinfer.engine import async_llm
 from liteinfer.engine.compiled import CompiledDecoder
 from liteinfer.engine.scheduler import Scheduler
@@ -82,14 +83,17 @@ def test_graphs_are_compiled_at_start_up_only(compiled):
     assert len(_debug_get_cache_entry_list(code)) == 2  # new batch sizes and context lengths: no recompile
 
 
-def test_batch_of_one_graph_is_driven_from_cpp_and_multiplies_through_the_gemv_kernel(compiled):
-    """The batch-of-one graph's wrapper is C++ (inductor's cpp_wrapper: no Python per kernel call), and each of its
-    linears, LM head included, streams its weights through kernels/gemv.cpp; the batched graph keeps oneDNN."""
+def test_both_graphs_multiply_through_the_packed_linear_kernel_the_batch_of_one_from_cpp(compiled):
+    """Each graph's linears, LM head included, run kernels/packed_linear.cpp on the weights the engine packed before
+    compiling (inductor packs no copy of its own for oneDNN); the batch-of-one graph calls it from C++ (inductor's
+    cpp_wrapper: no Python per kernel call), the batched graph from Python."""
+    if not kernels.packed_linear_available():
+        pytest.skip("the packed linear is built for AVX-512 CPUs with BF16 only")
     llm, code = compiled
     num_linears = sum(isinstance(m, Linear) for m in llm.engine.runner.model.modules()) + 1  # + the LM head
-    assert code.count('aoti_torch_call_dispatcher("liteinfer::gemv"') == num_linears
-    assert "torch.ops.liteinfer.gemv" not in code
-    assert "torch.ops.mkldnn._linear_pointwise" in code
+    assert code.count('aoti_torch_call_dispatcher("liteinfer::packed_linear"') == num_linears
+    assert code.count("torch.ops.liteinfer.packed_linear.default(") == num_linears
+    assert "mkldnn" not in code and "liteinfer::gemv" not in code
 
 
 def test_kv_pool_is_written_in_place_not_copied(compiled):
@@ -109,9 +113,13 @@ def test_kv_pool_is_written_in_place_not_copied(compiled):
 
 def test_another_engine_in_the_same_process_gets_its_own_graphs(compiled, tmp_path, smollm2_tokenizer):
     """Guards on the model are skipped for speed; each engine compiles a private copy of the step's code, so a
-    second model never runs on the first one's frozen weights."""
+    second model never runs on the first one's frozen weights. With its weights packed for our kernel, the second
+    engine's graphs come from inductor's on-disk cache (same shapes), which binds this model's weights to them."""
     make_tiny_llama(tmp_path, smollm2_tokenizer, "gqa-untied", seed=1)
+    hits = counters["inductor"]["fxgraph_cache_hit"]
     other = LLM(str(tmp_path), enforce_eager=False, **ENGINE)
+    if kernels.packed_linear_available():  # oneDNN's packed weights cannot be pickled: no cache without it
+        assert counters["inductor"]["fxgraph_cache_hit"] == hits + 2
     prompts = PROMPTS[:2]
     assert token_ids(other.generate(prompts, GREEDY)) == token_ids(LLM(str(tmp_path), **ENGINE).generate(prompts,
                                                                                                         GREEDY))

@@ -24,6 +24,7 @@ from parity import (
 
 from liteinfer import LLM
 from liteinfer.layers import FULL, SLIDING
+from liteinfer.layers.linear import unpack_weight
 
 WINDOW = 16  # smaller than the longer prompts, and than every prompt plus its NUM_NEW tokens
 # Longer than Phi-3 long-rope's original context (32 tokens) below; 47 and 49 tokens.
@@ -162,9 +163,9 @@ def test_family_loads_as_its_own_class_with_its_features(family, llm):
     sliding = [SLIDING if config.sliding_window else FULL] * config.num_hidden_layers
     layer_types = getattr(config, "layer_types", None) or sliding
     assert windows == [config.sliding_window if kind == SLIDING else None for kind in layer_types]
-    # A tied head loads as the embeddings' Parameter; on the CPU it then holds a prepacked copy of those values.
+    # A tied head loads as the embeddings' Parameter; on the CPU it then holds a packed copy of those values.
     head = model.lm_head.weight
-    head = head.to_dense() if head.is_mkldnn else head
+    head = head.to_dense() if head.is_mkldnn else unpack_weight(head) if head.dim() == 4 else head
     assert torch.equal(head, model.model.embed_tokens.weight) == config.tie_word_embeddings
 
 

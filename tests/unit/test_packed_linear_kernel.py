@@ -1,0 +1,93 @@
+"""The packed linear (liteinfer/kernels/packed_linear.cpp) against the same arithmetic in fp32, over row counts
+that take every tile size and the M-blocking, output counts that end a tile's three blocks early, and odd input
+lengths; and `pack_linears` choosing it (tests/integration run whole models through it)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from liteinfer import kernels
+from liteinfer.layers.linear import linear, pack_linears, pack_weight, packable, unpack_weight
+
+pytestmark = pytest.mark.skipif(not (kernels.load() and kernels.packed_linear_available()),
+                                reason="the packed linear is built for AVX-512 CPUs with BF16 only")
+
+# fp32: the kernel sums in another order than the reference matmul. bf16: the same products summed in fp32, then
+# one rounding to bf16 (2^-8 relative) for the output.
+TOLERANCE = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-5, "rtol": 2**-7}}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.one_of(st.integers(0, 20), st.integers(120, 300)),  # every tile size; more than one block of 128 rows
+    blocks=st.integers(1, 8),  # 16 outputs each: groups of three blocks, and of one or two at the end
+    steps=st.integers(1, 300),  # fp32 sums in chunks of 128 steps: one to three of them
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_packed_linear_matches_fp32_linear(rows, blocks, steps, dtype, with_bias, seed):
+    generator = torch.Generator().manual_seed(seed)
+    in_features = steps * (2 if dtype == torch.bfloat16 else 1)
+    x, weight, bias = (torch.randn(*shape, generator=generator).to(dtype)
+                       for shape in ((rows, in_features), (16 * blocks, in_features), (16 * blocks,)))
+    bias = bias if with_bias else None
+    out = torch.ops.liteinfer.packed_linear(x, pack_weight(weight), bias)
+    expected = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert out.dtype == dtype and out.shape == (rows, 16 * blocks)
+    torch.testing.assert_close(out.float(), expected.to(dtype).float() if dtype == torch.bfloat16 else expected,
+                               **TOLERANCE[dtype])
+
+
+def test_fp32_sums_over_long_rows_err_no_more_than_pytorchs():
+    """Against float64: the kernel's two-level sums stay as close as PyTorch's fp32 matmul over 2,048 inputs (one
+    running sum erred ~5x more, which moved Gemma 3's fp32 logits past the parity test's bound)."""
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(64, 2048, generator=generator) * 3, torch.randn(96, 2048, generator=generator) * 0.05
+    exact = x.double() @ weight.double().t()
+    ours = torch.ops.liteinfer.packed_linear(x, pack_weight(weight), None).double()
+    torchs = torch.nn.functional.linear(x, weight).double()
+    assert (ours - exact).abs().max() <= 2 * (torchs - exact).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("blocks", [1, 2, 3, 4, 5, 7])
+def test_unpack_weight_inverts_pack_weight(blocks, dtype):
+    weight = torch.randn(16 * blocks, 10).to(dtype)
+    assert torch.equal(unpack_weight(pack_weight(weight)), weight)
+
+
+def test_packed_linear_refuses_mismatched_inputs():
+    packed_linear = torch.ops.liteinfer.packed_linear
+    weight = pack_weight(torch.randn(32, 8))
+    with pytest.raises(RuntimeError, match="expected x"):
+        packed_linear(torch.zeros(2, 6), weight, None)  # inputs
+    with pytest.raises(RuntimeError, match="expected x"):
+        packed_linear(torch.zeros(2, 8), torch.randn(32, 8), None)  # not packed
+    with pytest.raises(RuntimeError, match="expected x"):
+        packed_linear(torch.zeros(2, 8).bfloat16(), weight, None)  # bf16 takes pairs
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        packed_linear(torch.zeros(2, 8).bfloat16(), pack_weight(torch.randn(32, 8)).view(2, 4, 16, 2), None)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        packed_linear(torch.zeros(2, 8).half(), weight, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        packed_linear(torch.zeros(2, 8), weight, torch.zeros(16))
+
+
+def test_pack_linears_takes_what_the_kernel_takes_and_leaves_the_rest_to_onednn():
+    model = torch.nn.Module()
+    model.packed = torch.nn.Linear(8, 32, dtype=torch.bfloat16)
+    model.odd_outputs = torch.nn.Linear(8, 24, dtype=torch.bfloat16)  # not a multiple of 16
+    model.odd_inputs = torch.nn.Linear(7, 32, dtype=torch.bfloat16)  # bf16 steps take input pairs
+    model.requires_grad_(False)
+    x = {7: torch.randn(3, 7, dtype=torch.bfloat16), 8: torch.randn(3, 8, dtype=torch.bfloat16)}
+    expected = {name: linear(x[m.in_features], m.weight, m.bias) for name, m in model.named_children()}
+    assert [packable(m.weight) for m in model.children()] == [True, False, False]
+    pack_linears(model, (torch.nn.Linear,))
+    assert model.packed.weight.shape == (2, 4, 16, 2)
+    assert model.odd_outputs.weight.is_mkldnn and model.odd_inputs.weight.is_mkldnn
+    for name, m in model.named_children():
+        torch.testing.assert_close(linear(x[m.in_features], m.weight, m.bias), expected[name], atol=1e-2, rtol=1e-2)
+    # Three-dimensional inputs keep their leading dimensions.
+    assert linear(torch.randn(2, 3, 8, dtype=torch.bfloat16), model.packed.weight).shape == (2, 3, 32)
