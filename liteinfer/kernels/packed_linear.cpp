@@ -9,8 +9,8 @@
 // ROWS rows by one group (up to 48 outputs) of fp32 sums in registers and reads the group front to back, one
 // sequential stream; every tile of rows re-reads the group from L2, while the thread's next group is prefetched
 // into L2 over the tiles before the last, so that W comes from DRAM once per call, overlapped with the arithmetic.
-// On SmolLM2's linears this ran 1.5x oneDNN's prepacked matmul at 32 rows, faster than our one-row GEMV at one
-// row, and level with oneDNN from 256 rows up (docs/benchmarks.md).
+// On SmolLM2's linears this ran about 1.5x oneDNN's prepacked matmul at 32 rows, level with our one-row GEMV at
+// one row, and level with oneDNN from 256 rows up (docs/benchmarks.md).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,6 +18,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <utility>
@@ -121,7 +122,6 @@ constexpr std::array<TileFn<T>, ROWS + 1> tiles(std::integer_sequence<int, R...>
 
 template <typename T>
 void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, int64_t k) {
-  using A = Arith<T>;
   static constexpr auto rows = std::make_integer_sequence<int, ROWS>{};
   static constexpr std::array<std::array<TileFn<T>, ROWS + 1>, BLOCKS + 1> by_blocks = {
       {{}, tiles<T, 1>(rows), tiles<T, 2>(rows), tiles<T, 3>(rows)}};
