@@ -75,7 +75,7 @@ def test_packed_linear_refuses_mismatched_inputs():
         packed_linear(torch.zeros(2, 8), weight, torch.zeros(16))
 
 
-def test_pack_linears_takes_what_the_kernel_takes_and_leaves_the_rest_to_onednn():
+def test_pack_linears_takes_what_the_kernel_takes_and_leaves_the_rest_plain_or_to_onednn():
     model = torch.nn.Module()
     model.packed = torch.nn.Linear(8, 32, dtype=torch.bfloat16)
     model.odd_outputs = torch.nn.Linear(8, 24, dtype=torch.bfloat16)  # not a multiple of 16
@@ -84,6 +84,11 @@ def test_pack_linears_takes_what_the_kernel_takes_and_leaves_the_rest_to_onednn(
     x = {7: torch.randn(3, 7, dtype=torch.bfloat16), 8: torch.randn(3, 8, dtype=torch.bfloat16)}
     expected = {name: linear(x[m.in_features], m.weight, m.bias) for name, m in model.named_children()}
     assert [packable(m.weight) for m in model.children()] == [True, False, False]
+    # Before compiling: ours only, the rest plain for the tracer (engine/compiled.py); then oneDNN takes the rest.
+    pack_linears(model, (torch.nn.Linear,), onednn=False)
+    assert model.packed.weight.shape == (2, 4, 16, 2)
+    assert model.odd_outputs.weight.dim() == model.odd_inputs.weight.dim() == 2
+    assert not (model.odd_outputs.weight.is_mkldnn or model.odd_inputs.weight.is_mkldnn)
     pack_linears(model, (torch.nn.Linear,))
     assert model.packed.weight.shape == (2, 4, 16, 2)
     assert model.odd_outputs.weight.is_mkldnn and model.odd_inputs.weight.is_mkldnn
