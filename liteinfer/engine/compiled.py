@@ -19,8 +19,8 @@ What the graph does differently from eager, and why:
   specialises sizes 0 and 1) and block tables are padded to two columns: two compiles in all, both made by
   `warm_up` when the engine starts, so no request waits for one. Graphs whose weights are all packed for our
   kernel are kept in inductor's on-disk graph cache, keyed by the weights' shapes (the model's own weights are
-  bound to them when loaded): SmolLM2 starts in ~20 s on 2 cores once cached. Frozen oneDNN weights cannot be
-  pickled, so a graph that holds any bypasses that cache and compiles at every start (~35-60 s for SmolLM2).
+  bound to them when loaded): SmolLM2 starts in 20-25 s on 2 cores once cached, ~75 s before. Frozen oneDNN
+  weights cannot be pickled, so a graph that holds any bypasses that cache and compiles at every start.
 - Guards on module attributes are skipped (they cost about 1 ms per step with quantized weights, checked every
   call): the graphs read no weight from the module, and the pool tensors are never rebound.
 - On CUDA the graph is replayed as CUDA graphs (inductor's cudagraph trees), captured the first times each padded
