@@ -17,7 +17,7 @@ from liteinfer.engine.detokenizer import IncrementalDetokenizer
 from liteinfer.engine.model_runner import ModelRunner
 from liteinfer.engine.scheduler import Scheduler, StaticScheduler
 from liteinfer.engine.sequence import Request, Sequence
-from liteinfer.engine.workers import ShardSpec, WorkerPool, prepack_for_eager
+from liteinfer.engine.workers import ShardSpec, WorkerPool, pack_weights
 from liteinfer.models.source import load_config, load_tokenizer, resolve_model
 from liteinfer.outputs import RequestMetrics, RequestOutput
 from liteinfer.sampling import Sampler, SamplerOutput, SamplingParams
@@ -77,7 +77,7 @@ class LLMEngine:
             self.device = spec.device(0)
             self.workers, self.tp = WorkerPool.start(spec, config.tensor_parallel_size)
         try:
-            model = spec.build_model(self.tp, self.device, prepack=config.enforce_eager)
+            model = spec.build_model(self.tp, self.device, onednn=config.enforce_eager)
             self.kv_cache = self._allocate_kv_cache(spec)
             if self.workers is not None:
                 self.workers.allocate_kv_cache(self.kv_cache.num_blocks)
@@ -99,7 +99,7 @@ class LLMEngine:
             compiled = CompiledDecoder(model, self.kv_cache)
             compiled.warm_up(self.device)
             # The graphs hold inductor's own packed copies of the weights; eager (prefill) steps get theirs now.
-            prepack_for_eager(model)
+            pack_weights(model)
         self.runner = ModelRunner(model, Sampler(self.eos_token_ids), config.block_size, self.device, self.workers,
                                   compiled)
         self.requests: dict[str, Request] = {}

@@ -68,15 +68,15 @@ class ShardSpec:
     def device(self, rank: int) -> torch.device:
         return torch.device("cuda", rank) if self.device_type == "cuda" else torch.device("cpu")
 
-    def build_model(self, tp: TensorParallelGroup, device: torch.device, prepack: bool = True) -> nn.Module:
-        """prepack=False leaves plain the float weights that our packed linear cannot take, as torch.compile needs
+    def build_model(self, tp: TensorParallelGroup, device: torch.device, onednn: bool = True) -> nn.Module:
+        """onednn=False leaves plain the float weights that our packed linear cannot take, as torch.compile needs
         them to trace (engine/compiled.py)."""
         model_cls = get_model_class(self.hf_config.architectures)
         checkpoint = iter_checkpoint(self.source, self.hf_config, lazy=True)
         model = build_model(model_cls, self.hf_config, self.dtype, device, checkpoint, tp)
         if self.quantization is not None:
             quantize_linears(model, self.quantization)
-        pack_linears(model, (Linear, LMHead), onednn=prepack)
+        pack_weights(model, onednn)
         return model
 
     def kv_cache_dims(self, tp: TensorParallelGroup) -> tuple[int, int, int]:
@@ -91,9 +91,10 @@ class ShardSpec:
         return KVCache(num_layers, num_blocks, self.block_size, num_kv_heads, head_dim, self.dtype, device)
 
 
-def prepack_for_eager(model: nn.Module) -> None:
-    """Pack the float weights that quantization left (all of them without it) for the eager steps' kernels."""
-    pack_linears(model, (Linear, LMHead))
+def pack_weights(model: nn.Module, onednn: bool = True) -> None:
+    """Pack the float weights that quantization left (all of them without it) for the fastest kernels
+    (`layers/linear.py: pack_linears`; with onednn=False, only those torch.compile can trace)."""
+    pack_linears(model, (Linear, LMHead), onednn)
 
 
 def run_step(model: nn.Module, step: StepInputs) -> torch.Tensor | None:

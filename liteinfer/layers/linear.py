@@ -75,11 +75,16 @@ def _pair(dtype: torch.dtype) -> int:
     return 2 if dtype == torch.bfloat16 else 1
 
 
+def _float_as_loaded(weight: torch.Tensor) -> bool:
+    """W as the checkpoint gave it: [out, in], fp32 or bf16, on the CPU, not packed by either kernel."""
+    return (not weight.is_mkldnn and weight.dim() == 2 and weight.device.type == "cpu"
+            and weight.dtype in (torch.float32, torch.bfloat16))
+
+
 def packable(weight: torch.Tensor) -> bool:
-    """Whether `kernels`' packed_linear takes W [out, in]: fp32 or bf16 on a CPU that has it built (building the
-    kernels if they are not yet), out a multiple of 16 and in one of the step's inputs."""
-    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16)
-            and weight.shape[0] % 16 == 0 and weight.shape[1] % _pair(weight.dtype) == 0
+    """Whether `kernels`' packed_linear takes W: as loaded, on a CPU that has it built (building the kernels if they
+    are not yet), out a multiple of 16 and in one of the step's inputs."""
+    return (_float_as_loaded(weight) and weight.shape[0] % 16 == 0 and weight.shape[1] % _pair(weight.dtype) == 0
             and kernels.load() and kernels.packed_linear_available())
 
 
@@ -119,8 +124,7 @@ def pack_linears(model: nn.Module, modules: tuple[type[nn.Module], ...], onednn:
     """
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if (not isinstance(module, modules) or weight is None or weight.is_mkldnn or weight.dim() != 2
-                or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)):
+        if not isinstance(module, modules) or weight is None or not _float_as_loaded(weight):
             continue
         if packable(weight):
             packed = pack_weight(weight.data)

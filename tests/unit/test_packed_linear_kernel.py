@@ -14,6 +14,7 @@ from liteinfer.layers.linear import linear, pack_linears, pack_weight, packable,
 pytestmark = pytest.mark.skipif(not (kernels.load() and kernels.packed_linear_available()),
                                 reason="the packed linear is built for AVX-512 CPUs with BF16 only")
 
+
 @settings(max_examples=60, deadline=None)
 @given(
     rows=st.one_of(st.integers(0, 20), st.integers(120, 300)),  # every tile size; more than one block of 128 rows
