@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -71,36 +72,119 @@ inline __m512 sum_lanes_16(const __m512* v) {
 }
 #endif
 
-// scores[g * stride + j] = query g · key row j, for n consecutive key rows (widened into `buffer`, 16 rows' room)
-// and each of the group's query heads.
+#if defined(__AVX512F__)
+constexpr float kHidden = -1e30f;  // the score of a key a query may not see: e^(kHidden - max) is 0, with no infinities
+
+// e^x in 16 lanes: 2^(x log2 e) as 2^n (vscalefps, which also takes a hugely negative n to 0) times 2^f, |f| <= 1/2,
+// from the Taylor series of e^(f ln 2) to the 6th power (relative error ~1e-7).
+inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f));
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 elements of a cache row as fp32, in registers.
+inline __m512 widen16(const float* src) { return _mm512_loadu_ps(src); }
+inline __m512 widen16(const c10::Half* src) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
+inline __m512 widen16(const c10::BFloat16* src) {
+  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+#endif
+
+// The query as score_rows multiplies it: bf16 as it is where vdpbf16ps takes it (both operands bf16: exact products,
+// fp32 sums, and no widening of the keys), widened to fp32 otherwise.
 template <typename scalar_t, int64_t kDim>
-void score_rows(const float* query, int64_t group, int64_t dim, const scalar_t* rows, int64_t n, float* buffer,
-                float* scores, int64_t stride) {
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = std::is_same_v<scalar_t, c10::BFloat16> && kDim > 0 && kDim % 32 == 0;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+template <typename scalar_t, int64_t kDim>
+using Query = std::conditional_t<kBf16Dot<scalar_t, kDim>, c10::BFloat16, float>;
+
+// scores[g * stride + j] = scale * (query g · key row j), for n consecutive key rows and each of the group's query
+// heads (`group` of them, side by side); fp32 queries take the rows widened into `buffer` (16 rows' room).
+template <typename scalar_t, int64_t kDim>
+void score_rows(const Query<scalar_t, kDim>* query, int64_t group, int64_t dim, const scalar_t* rows, int64_t n, float scale,
+                float* buffer, float* scores, int64_t stride) {
   int64_t j = 0;
 #if defined(__AVX512F__)
   if constexpr (kDim > 0 && kDim % 16 == 0) {
     // Sixteen keys at a time, their scores one vector: no horizontal sum per key.
     for (; j < n; j += 16) {
       const int64_t m = std::min<int64_t>(16, n - j);
-      to_float(rows + j * kDim, buffer, m * kDim);
+      if constexpr (!kBf16Dot<scalar_t, kDim>) to_float(rows + j * kDim, buffer, m * kDim);
       for (int64_t g = 0; g < group; ++g) {
-        __m512 q[kDim / 16], acc[16];
-        for (int64_t c = 0; c < kDim / 16; ++c) q[c] = _mm512_loadu_ps(query + g * kDim + c * 16);
-        for (int64_t r = 0; r < 16; ++r) {
-          acc[r] = _mm512_setzero_ps();
-          if (r < m)
-            for (int64_t c = 0; c < kDim / 16; ++c)
-              acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(buffer + r * kDim + c * 16), q[c], acc[r]);
+        __m512 acc[16];
+        if constexpr (kBf16Dot<scalar_t, kDim>) {
+#if defined(__AVX512BF16__)
+          const c10::BFloat16* qg = query + g * kDim;
+          __m512bh q[kDim / 32];
+          for (int64_t c = 0; c < kDim / 32; ++c) q[c] = (__m512bh)_mm512_loadu_si512(qg + c * 32);
+          for (int64_t r = 0; r < 16; ++r) {
+            acc[r] = _mm512_setzero_ps();
+            if (r < m)
+              for (int64_t c = 0; c < kDim / 32; ++c)
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(rows + (j + r) * kDim + c * 32), q[c]);
+          }
+#endif
+        } else {
+          const float* qg = query + g * kDim;
+          __m512 q[kDim / 16];
+          for (int64_t c = 0; c < kDim / 16; ++c) q[c] = _mm512_loadu_ps(qg + c * 16);
+          for (int64_t r = 0; r < 16; ++r) {
+            acc[r] = _mm512_setzero_ps();
+            if (r < m)
+              for (int64_t c = 0; c < kDim / 16; ++c)
+                acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(buffer + r * kDim + c * 16), q[c], acc[r]);
+          }
         }
-        _mm512_mask_storeu_ps(scores + g * stride + j, static_cast<__mmask16>((1u << m) - 1), sum_lanes_16(acc));
+        _mm512_mask_storeu_ps(scores + g * stride + j, static_cast<__mmask16>((1u << m) - 1),
+                              _mm512_mul_ps(sum_lanes_16(acc), _mm512_set1_ps(scale)));
       }
     }
   }
 #endif
-  for (; j < n; ++j) {
-    to_float(rows + j * dim, buffer, dim);
-    for (int64_t g = 0; g < group; ++g) scores[g * stride + j] = dot(query + g * dim, buffer, dim);
+  if constexpr (!kBf16Dot<scalar_t, kDim>) {  // (bf16 queries took every row above)
+    for (; j < n; ++j) {
+      to_float(rows + j * dim, buffer, dim);
+      for (int64_t g = 0; g < group; ++g) scores[g * stride + j] = scale * dot(query + g * dim, buffer, dim);
+    }
   }
+}
+
+// Scores s[0..n) become softmax numerators e^(s - max s), in fp32; returns their sum.
+inline float softmax_numerators(float* s, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 top = _mm512_set1_ps(kHidden);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 mask = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+    top = _mm512_mask_max_ps(top, mask, top, _mm512_maskz_loadu_ps(mask, s + j));
+  }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 mask = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), m)));
+    _mm512_mask_storeu_ps(s + j, mask, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+#else
+  const float m = *std::max_element(s, s + n);
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = std::exp(s[j] - m);
+    sum += s[j];
+  }
+  return sum;
+#endif
 }
 
 // kDim > 0 fixes the head size at compile time, so the loops over it unroll; 0 reads it from q.
@@ -154,8 +238,13 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           prefetch(block_of(v_data, next, start));
         }
       }
-      to_float(q_data + head * dim, query.data(), group * dim);
-      for (float& x : query) x *= static_cast<float>(scale);
+      const Query<scalar_t, kDim>* query_heads;
+      if constexpr (kBf16Dot<scalar_t, kDim>) {
+        query_heads = q_data + head * dim;
+      } else {
+        to_float(q_data + head * dim, query.data(), group * dim);
+        query_heads = query.data();
+      }
       scores.resize(group * span);
       const int64_t first_block = first - first % block_size;
       // Keys, while the next K block and this block's values are requested: the scores.
@@ -164,37 +253,53 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         if (start + block_size < num_keys) prefetch(block_of(k_data, t, start + block_size));
         prefetch(block_of(v_data, t, start));
         const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
-        score_rows<scalar_t, kDim>(query.data(), group, dim, block_of(k_data, t, start) + (lo - start) * dim, hi - lo,
-                                   krows.data(), scores.data() + (lo - first), span);
+        score_rows<scalar_t, kDim>(query_heads, group, dim, block_of(k_data, t, start) + (lo - start) * dim, hi - lo,
+                                   static_cast<float>(scale), krows.data(), scores.data() + (lo - first), span);
       }
-      for (int64_t g = 0; g < group; ++g) {  // softmax numerators, in fp32
+      for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * span;
         if (softcap > 0)
           for (int64_t j = 0; j < span; ++j) sg[j] = static_cast<float>(std::tanh(sg[j] / softcap) * softcap);
-        const float m = *std::max_element(sg, sg + span);
-        float sum = 0.f;
-        for (int64_t j = 0; j < span; ++j) {
-          sg[j] = std::exp(sg[j] - m);
-          sum += sg[j];
-        }
-        denom[g] = sum;
+        denom[g] = softmax_numerators(sg, span);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      // Values a block at a time: its rows widened once, then each query head sums them (with the head size fixed
-      // at compile time, in registers).
-      for (int64_t start = first_block; start < num_keys; start += block_size) {
-        const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
-        to_float(block_of(v_data, t, start) + (lo - start) * dim, vblock.data(), (hi - lo) * dim);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* p = scores.data() + g * span + (lo - first);
-          float* ag = acc.data() + g * dim;
-          if constexpr (kDim > 0) {
-            float a[kDim];
-            for (int64_t d = 0; d < kDim; ++d) a[d] = ag[d];
-            for (int64_t r = 0; r < hi - lo; ++r)
-              for (int64_t d = 0; d < kDim; ++d) a[d] += p[r] * vblock[r * kDim + d];
-            for (int64_t d = 0; d < kDim; ++d) ag[d] = a[d];
-          } else {
+#if defined(__AVX512F__)
+      if constexpr (kDim > 0 && kDim % 16 == 0 && !std::is_same_v<scalar_t, double>) {
+        // Values: each row widened once into registers, then added into every head's sums, which stay in registers
+        // (up to 16 of them: 4 heads of 64, 2 of 128) for the whole sequence.
+        constexpr int64_t kVecs = kDim / 16, kHeads = std::max<int64_t>(1, 16 / kVecs);
+        for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
+          const int64_t heads = std::min(kHeads, group - g0);
+          __m512 a[kHeads][kVecs];
+          for (int64_t h = 0; h < kHeads; ++h)
+            for (int64_t c = 0; c < kVecs; ++c) a[h][c] = _mm512_setzero_ps();
+          for (int64_t start = first_block; start < num_keys; start += block_size) {
+            const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
+            const scalar_t* rows = block_of(v_data, t, start) + (lo - start) * kDim;
+            const float* p = scores.data() + g0 * span + (lo - first);
+            for (int64_t r = 0; r < hi - lo; ++r) {
+              __m512 v[kVecs];
+              for (int64_t c = 0; c < kVecs; ++c) v[c] = widen16(rows + r * kDim + c * 16);
+              for (int64_t h = 0; h < kHeads; ++h) {
+                if (h >= heads) break;
+                const __m512 w = _mm512_set1_ps(p[h * span + r]);
+                for (int64_t c = 0; c < kVecs; ++c) a[h][c] = _mm512_fmadd_ps(w, v[c], a[h][c]);
+              }
+            }
+          }
+          for (int64_t h = 0; h < heads; ++h)
+            for (int64_t c = 0; c < kVecs; ++c) _mm512_storeu_ps(acc.data() + (g0 + h) * kDim + c * 16, a[h][c]);
+        }
+      } else
+#endif
+      {
+        // Values a block at a time: its rows widened once, then each query head sums them.
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t start = first_block; start < num_keys; start += block_size) {
+          const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
+          to_float(block_of(v_data, t, start) + (lo - start) * dim, vblock.data(), (hi - lo) * dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* p = scores.data() + g * span + (lo - first);
+            float* ag = acc.data() + g * dim;
             for (int64_t r = 0; r < hi - lo; ++r)
               for (int64_t d = 0; d < dim; ++d) ag[d] += p[r] * vblock[r * dim + d];
           }
@@ -244,19 +349,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }
 
 #if defined(__AVX512F__)
-constexpr float kHidden = -1e30f;  // the score of a key a query may not see: e^(kHidden - max) is 0, with no infinities
-
-// e^x in 16 lanes: 2^(x log2 e) as 2^n (vscalefps, which also takes a hugely negative n to 0) times 2^f, |f| <= 1/2,
-// from the Taylor series of e^(f ln 2) to the 6th power (relative error ~1e-7).
-inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f));
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Prompt attention: the queries of each span (rows starts[s]..starts[s+1] of q, at positions[row]) against keys
 // 0..position of their sequence (the last `sliding_window` of them when set), read through the span's block table.
 // First every span's keys are widened to fp32 once, K transposed into panels of 16 keys ([dim][16]) and V as rows;
