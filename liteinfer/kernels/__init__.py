@@ -1,14 +1,15 @@
 """Kernels of our own, in C++, for what PyTorch has no fast op for on CPU: decode attention that reads the paged KV
 pool in place, float linears on weights packed for them, the one-row matmul of int8 weights (and of float ones where
-the packed kernel is not built), and the greedy argmax of a step's logits.
+the packed kernel is not built), the greedy argmax of a step's logits, and a decoder layer's per-token operations
+(RMSNorm, rotary, gated activation) in one pass each for the steps that run eagerly.
 
 Contract: `load()` compiles the sources next to this file with the machine's C++ compiler (torch's extension
 builder; the first time only, then cached under TORCH_EXTENSIONS_DIR, one build per CPU, Python and torch, since
 the build targets the CPU that made it) and registers their ops under
 `torch.ops.liteinfer`, each with a fake implementation so that `torch.compile` traces through it. Where they cannot
 be built (no compiler), `load()` logs why and returns False, and callers keep the plain PyTorch path: the same
-arithmetic, which tests/unit/test_paged_attention_kernel.py, test_gemv_kernel.py, test_packed_linear_kernel.py
-and test_argmax_kernel.py hold the ops to.
+arithmetic, which tests/unit/test_paged_attention_kernel.py, test_gemv_kernel.py, test_packed_linear_kernel.py,
+test_argmax_kernel.py and test_pointwise_kernels.py hold the ops to.
 `available()` only reports what `load()` did, so that a traced forward can ask without building anything.
 
 `paged_decode_attention(q [seqs, heads, dim], k_cache, v_cache [blocks, kv_heads, block_size, dim],
@@ -33,6 +34,14 @@ takes no scales; an int8 weight takes one scale per row (layers/quantization.py'
 
 `argmax(logits [rows, vocab] fp32 or bf16)` -> [rows] int64: the first index of each row's largest value, as
 `torch.argmax` gives it, except that NaN is skipped rather than taken as the largest.
+
+The pointwise ops (fp32, bf16, fp16; `pointwise_takes(x)` says when the layers call them) compute in fp32 and round
+to x's dtype wherever the PyTorch expressions in layers/norm.py, rotary.py and activation.py round:
+`rms_norm(x [rows, size], weight [size], eps, gemma)` -> norm(x); `add_rms_norm(x, residual, weight, eps, gemma)`
+-> (norm(x + residual), x + residual), where norm(v) = weight * (v / rms(v)), or v / rms(v) * (1 + weight) with
+`gemma`; `rotary(q [tokens, heads, dim], k [tokens, kv_heads, dim], cos, sin [tokens, (1,) dim])` -> (q, k)
+rotated "rotate half" style (each head's row contiguous, rows at any stride); `gated_activation(gate_up
+[rows, 2 * size], act: "silu" or "gelu_tanh")` -> act(gate) * up, gate the first half of each row.
 """
 
 from __future__ import annotations
@@ -74,12 +83,21 @@ def prefill_available() -> bool:
     return available() and hasattr(torch.ops.liteinfer, "paged_prefill_attention")
 
 
+_POINTWISE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def pointwise_takes(x: torch.Tensor) -> bool:
+    """Whether the pointwise ops serve a layer given x: an eager step on CPU. A traced graph keeps PyTorch's ops,
+    which inductor fuses with their neighbours."""
+    return bool(_loaded) and x.is_cpu and x.dtype in _POINTWISE_DTYPES and not torch.compiler.is_compiling()
+
+
 def packed_linear_available() -> bool:
     """The packed linear is built for AVX-512 CPUs with BF16 only; elsewhere float weights stay oneDNN's."""
     return available() and hasattr(torch.ops.liteinfer, "packed_linear")
 
 
-SOURCES = ("paged_attention.cpp", "gemv.cpp", "packed_linear.cpp", "argmax.cpp")
+SOURCES = ("paged_attention.cpp", "gemv.cpp", "packed_linear.cpp", "argmax.cpp", "pointwise.cpp")
 
 # torch's builder waits for as long as its lock file exists, and a build that was killed leaves it behind: one older
 # than this is taken as such a leftover (a build takes about a minute on 2 cores).
@@ -135,6 +153,22 @@ def _build() -> None:
     @torch.library.register_fake("liteinfer::argmax")
     def _(logits):
         return logits.new_empty(logits.shape[0], dtype=torch.long)
+
+    @torch.library.register_fake("liteinfer::rms_norm")
+    def _(x, weight, eps, gemma):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("liteinfer::add_rms_norm")
+    def _(x, residual, weight, eps, gemma):
+        return torch.empty_like(x), torch.empty_like(x)
+
+    @torch.library.register_fake("liteinfer::rotary")
+    def _(q, k, cos, sin):
+        return q.new_empty(q.shape), k.new_empty(k.shape)
+
+    @torch.library.register_fake("liteinfer::gated_activation")
+    def _(gate_up, act):
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
 
 def build_tag() -> str:

@@ -6,10 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Hugging Face `hidden_act` names -> the function applied to the gate.
+from liteinfer import kernels
+
+# Hugging Face `hidden_act` names -> the function applied to the gate, and its name for our kernel.
 _GATE_ACTIVATIONS = {
-    "silu": F.silu,  # SwiGLU (Llama, Qwen, Mistral, Phi-3)
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),  # GeGLU (Gemma)
+    "silu": (F.silu, "silu"),  # SwiGLU (Llama, Qwen, Mistral, Phi-3)
+    "gelu_pytorch_tanh": (partial(F.gelu, approximate="tanh"), "gelu_tanh"),  # GeGLU (Gemma)
 }
 
 
@@ -20,8 +22,10 @@ class GatedActivation(nn.Module):
         super().__init__()
         if hidden_act not in _GATE_ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {hidden_act!r} (supported: {', '.join(_GATE_ACTIVATIONS)})")
-        self.act = _GATE_ACTIVATIONS[hidden_act]
+        self.act, self.kernel_act = _GATE_ACTIVATIONS[hidden_act]
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if kernels.pointwise_takes(gate_up) and gate_up.dim() == 2 and gate_up.is_contiguous():
+            return torch.ops.liteinfer.gated_activation(gate_up, self.kernel_act)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act(gate) * up

@@ -18,7 +18,7 @@ from liteinfer.layers.activation import GatedActivation
 from liteinfer.layers.attention import AttentionMetadata, PagedAttention
 from liteinfer.layers.linear import PackedLinear, RowParallelLinear, RowSlice
 from liteinfer.layers.norm import GemmaRMSNorm, RMSNorm
-from liteinfer.layers.rotary import apply_rotary
+from liteinfer.layers.rotary import rotate_queries_and_keys
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of the step's positions
 RopeParams = tuple[float, dict[str, Any] | None]  # (theta, scaling), as `rope_parameters` reads them
@@ -91,7 +91,7 @@ class SelfAttention(nn.Module):
         q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = rotate_queries_and_keys(q, k, *rope)
         return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v, meta))
 
 

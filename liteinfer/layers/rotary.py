@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from liteinfer import kernels
+
 
 def rope_parameters(config: Any, layer_type: str | None = None) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling) from a transformers config: 5.x keeps both in `rope_parameters` (one dict per layer type
@@ -84,6 +86,16 @@ class RotaryEmbedding(nn.Module):
         """cos and sin for each token, [T, 1, head_dim]: computed once per step and shared by every layer."""
         cos, sin = self.cos_sin[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
         return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
+def rotate_queries_and_keys(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary` to q and k, [T, heads, head_dim] each (one kernel call for both in eager steps on CPU)."""
+    heads_side_by_side = all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k))
+    if kernels.pointwise_takes(q) and cos.dtype == q.dtype and heads_side_by_side:
+        return torch.ops.liteinfer.rotary(q, k, cos, sin)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,218 @@
+// A decoder layer's per-token operations, each one pass over its rows: RMSNorm (with the residual add before it),
+// rotary embedding of the queries and keys, and the gated activation. Eager PyTorch spends several ops on each
+// (seven for a norm), every one a trip through memory and, at a decode step's few rows, mostly dispatch; inductor
+// fuses them in the compiled graph, and these serve the steps that run eagerly. Each rounds to the activations'
+// dtype where the PyTorch expression it replaces does (layers/norm.py, rotary.py, activation.py), so that bf16
+// results agree with it. Registered (CPU) as torch.ops.liteinfer.rms_norm, add_rms_norm, rotary and
+// gated_activation; liteinfer/kernels/__init__.py builds them and gives their contract.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+// fp32 arithmetic on values stored in T, with PyTorch's rounding back to T (round to nearest even). Written as bit
+// operations for bf16 so that the loops vectorise (-ffast-math: no NaN branch).
+template <typename T>
+inline float widen(T x) {
+  return static_cast<float>(x);
+}
+template <>
+inline float widen(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+template <typename T>
+inline T narrow(float x) {
+  return static_cast<T>(x);
+}
+template <>
+inline c10::BFloat16 narrow(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return c10::BFloat16(static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16), c10::BFloat16::from_bits());
+}
+template <typename T>
+inline float round_to(float x) {  // x as T would hold it
+  return widen(narrow<T>(x));
+}
+
+// Rows a task takes: at least ~16k elements, so that a decode step's few rows run on one thread (a parallel
+// region costs more than they do).
+inline int64_t grain(int64_t row_size) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_size)); }
+
+// out = norm(x + residual) and sum = x + residual (rounded to T) when `residual` is given; out = norm(x) otherwise.
+// norm(v) = (v / rms(v)) rounded to T, times the weight, rounded (Llama); Gemma: v / rms(v) * (1 + weight), one
+// rounding.
+template <typename T>
+void rms_norm_rows(const at::Tensor& x, const T* residual, const at::Tensor& weight, double eps, bool gemma,
+                   at::Tensor& out, T* sum) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xd = x.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  T* od = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xd + r * n;
+      T* o = od + r * n;
+      float squares = 0.f;
+      if (residual != nullptr) {
+        const T* res = residual + r * n;
+        T* s = sum + r * n;
+        for (int64_t d = 0; d < n; ++d) {
+          s[d] = narrow<T>(widen(xr[d]) + widen(res[d]));
+          const float v = widen(s[d]);
+          squares += v * v;
+        }
+        xr = s;
+      } else {
+        for (int64_t d = 0; d < n; ++d) squares += widen(xr[d]) * widen(xr[d]);
+      }
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(n) + static_cast<float>(eps));
+      if (gemma) {
+        for (int64_t d = 0; d < n; ++d) o[d] = narrow<T>(widen(xr[d]) * inv * (1.f + widen(w[d])));
+      } else {
+        for (int64_t d = 0; d < n; ++d) o[d] = narrow<T>(widen(w[d]) * round_to<T>(widen(xr[d]) * inv));
+      }
+    }
+  });
+}
+
+void check_norm(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected x [rows, size], contiguous");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type() &&
+                  weight.is_contiguous(),
+              "expected a weight [size] in x's dtype");
+}
+
+#define LITEINFER_DISPATCH(dtype, name, ...) \
+  AT_DISPATCH_SWITCH(dtype, name, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool gemma) {
+  check_norm(x, weight);
+  at::Tensor out = at::empty_like(x);
+  LITEINFER_DISPATCH(x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x, nullptr, weight, eps, gemma, out, nullptr);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps, bool gemma) {
+  check_norm(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() && residual.is_contiguous(),
+              "expected a residual like x");
+  at::Tensor out = at::empty_like(x), sum = at::empty_like(x);
+  LITEINFER_DISPATCH(x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x, residual.data_ptr<scalar_t>(), weight, eps, gemma, out, sum.data_ptr<scalar_t>());
+  });
+  return {out, sum};
+}
+
+// One head rotated ("rotate half": the first half of a head pairs with the second): out = x * cos +
+// rotate_half(x) * sin, each product and the sum rounded to T as the three PyTorch ops round them. Two loops, one
+// per half, with nothing aliased: each vectorises.
+template <typename T>
+inline void rotate_head(const T* __restrict__ x, const T* __restrict__ cos, const T* __restrict__ sin,
+                        T* __restrict__ out, int64_t half) {
+  for (int64_t d = 0; d < half; ++d)
+    out[d] = narrow<T>(round_to<T>(widen(x[d]) * widen(cos[d])) + round_to<T>(-widen(x[d + half]) * widen(sin[d])));
+  for (int64_t d = half; d < 2 * half; ++d)
+    out[d] = narrow<T>(round_to<T>(widen(x[d]) * widen(cos[d])) + round_to<T>(widen(x[d - half]) * widen(sin[d])));
+}
+
+// Each head of x [tokens, heads, dim] rotated by its token's angles, cos and sin [tokens, dim].
+template <typename T>
+void rotate(const at::Tensor& x, const T* cos, const T* sin, at::Tensor& out) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2, row_stride = x.stride(0);
+  const T* xd = x.data_ptr<T>();
+  T* od = out.data_ptr<T>();
+  at::parallel_for(0, tokens, grain(heads * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * dim;
+      const T* s = sin + t * dim;
+      for (int64_t h = 0; h < heads; ++h)
+        rotate_head(xd + t * row_stride + h * dim, c, s, od + (t * heads + h) * dim, half);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                          const at::Tensor& sin) {
+  for (const at::Tensor* x : {&q, &k}) {
+    TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->stride(1) == x->size(2) && x->size(2) % 2 == 0,
+                "expected q and k [tokens, heads, dim], heads side by side in each token's row, dim even");
+    TORCH_CHECK(x->size(0) == cos.size(0) && x->size(2) == cos.size(-1) && x->scalar_type() == cos.scalar_type(),
+                "q and k need one cos and sin row per token, of their head size and dtype");
+  }
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == cos.size(0) * cos.size(-1) && cos.is_contiguous() &&
+                  sin.is_contiguous() && sin.scalar_type() == cos.scalar_type(),
+              "expected cos and sin [tokens, (1,) dim], contiguous");
+  at::Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
+  LITEINFER_DISPATCH(q.scalar_type(), "rotary", [&] {
+    rotate<scalar_t>(q, cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), q_out);
+    rotate<scalar_t>(k, cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), k_out);
+  });
+  return {q_out, k_out};
+}
+
+// act(gate) * up for gate_up [rows, 2 * size] (gate the first half of each row), the activation rounded to T
+// before the product as PyTorch's two ops round it. act: "silu", or "gelu_tanh" (GELU's tanh approximation).
+template <typename T, bool kGelu>
+void gate_rows(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2;
+  const T* in = gate_up.data_ptr<T>();
+  T* od = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain(size), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = in + r * 2 * size;
+      const T* up = gate + size;
+      T* o = od + r * size;
+      for (int64_t d = 0; d < size; ++d) {
+        const float g = widen(gate[d]);
+        float act;
+        if constexpr (kGelu) {
+          act = 0.5f * g * (1.f + std::tanh(0.7978845608f * (g + 0.044715f * g * g * g)));
+        } else {
+          act = g / (1.f + std::exp(-g));
+        }
+        o[d] = narrow<T>(round_to<T>(act) * widen(up[d]));
+      }
+    }
+  });
+}
+
+at::Tensor gated_activation(const at::Tensor& gate_up, c10::string_view act) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "expected gate_up [rows, 2 * size], contiguous");
+  TORCH_CHECK(act == "silu" || act == "gelu_tanh", "gated_activation takes silu or gelu_tanh, not ", act);
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  LITEINFER_DISPATCH(gate_up.scalar_type(), "gated_activation", [&] {
+    act == "silu" ? gate_rows<scalar_t, false>(gate_up, out) : gate_rows<scalar_t, true>(gate_up, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(liteinfer, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool gemma) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool gemma) -> (Tensor, Tensor)");
+  m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  m.def("gated_activation(Tensor gate_up, str act) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(liteinfer, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rotary", &rotary);
+  m.impl("gated_activation", &gated_activation);
+}

@@ -1,0 +1,131 @@
+"""The pointwise kernels (liteinfer/kernels/pointwise.cpp) against the PyTorch expressions they replace in eager
+steps: RMSNorm with and without the residual add (Llama's and Gemma's weight forms), rotary over q and k, and the
+gated activations. They round where those expressions round, so results agree to the last bit of the activation
+dtype, except where an fp32 sum or exp in a different order lands a hair on the other side of a rounding boundary:
+then a step of the dtype at each rounding the expression makes (two at most), for a handful of elements."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from liteinfer import kernels
+from liteinfer.layers import GatedActivation, GemmaRMSNorm, RMSNorm, RotaryEmbedding, apply_rotary
+from liteinfer.layers.rotary import rotate_queries_and_keys
+
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
+
+
+def test_kernels_build_here():
+    assert kernels.load()
+    assert kernels.pointwise_takes(torch.zeros(1, dtype=torch.bfloat16))
+    assert not kernels.pointwise_takes(torch.zeros(1, dtype=torch.float64))
+
+
+def through_kernel(op, layer_call):
+    """layer_call's result, checking that the layer ran `op` (else the comparisons below would pit PyTorch
+    against itself)."""
+    with torch.profiler.profile() as prof:
+        out = layer_call()
+    assert f"liteinfer::{op}" in {event.key for event in prof.key_averages()}
+    return out
+
+
+def assert_near(out, expected, floor=0.0):
+    """bf16/fp16: equal, or for a few elements a step of the dtype apart per rounding (an fp32 difference carried
+    through); fp32: within a few units in the last place. Either give or take `floor` (absolute)."""
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    info = torch.finfo(expected.dtype)
+    step = 1e-6 if expected.dtype == torch.float32 else info.eps
+    off = (out.float() - expected.float()).abs()
+    assert (off <= 2 * step * expected.float().abs().clamp(min=info.tiny) + floor).all()
+    if expected.dtype != torch.float32:  # (in fp32 every element may differ in its last bits)
+        assert (off > floor).sum() <= max(1, 0.02 * off.numel())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=DTYPES,
+    rows=st.integers(1, 40),
+    size=st.sampled_from([8, 64, 576, 1000]),
+    gemma=st.booleans(),
+    with_residual=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_rms_norm_matches_pytorch(dtype, rows, size, gemma, with_residual, seed):
+    assert kernels.load()
+    torch.manual_seed(seed)
+    norm = (GemmaRMSNorm if gemma else RMSNorm)(size, eps=1e-6)
+    norm.weight.data = (torch.randn(size) * 0.5 + (0 if gemma else 1)).to(dtype)
+    x = (torch.randn(rows, size) * 3).to(dtype)
+    residual = (torch.randn(rows, size) * 3).to(dtype) if with_residual else None
+    out = through_kernel("add_rms_norm" if with_residual else "rms_norm", lambda: norm(x, residual))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "pointwise_takes", lambda x: False)
+        expected = norm(x, residual)
+    if with_residual:
+        assert_near(out[0], expected[0])
+        assert torch.equal(out[1], expected[1])  # the sum is one rounded add either way
+    else:
+        assert_near(out, expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=DTYPES,
+    tokens=st.integers(1, 40),
+    heads=st.integers(1, 9),
+    kv_heads=st.integers(1, 3),
+    dim=st.sampled_from([2, 32, 64, 128]),
+    seed=st.integers(0, 2**16),
+)
+def test_rotary_matches_pytorch(dtype, tokens, heads, kv_heads, dim, seed):
+    """q and k as the layers hand them over: views into one fused q/k/v projection's rows. bf16 and fp16 agree bit
+    for bit (each product is rounded before the sum, as PyTorch's ops round it); in fp32 the compiler may fuse a
+    product into the sum, one rounding fewer."""
+    torch.manual_seed(seed)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
+    rope = RotaryEmbedding(dim, max_position=4096, theta=10000.0)
+    cos, sin = rope(torch.randint(0, 4096, (tokens,)), dtype)
+    outs = through_kernel("rotary", lambda: rotate_queries_and_keys(q, k, cos, sin))
+    for out, expected in zip(outs, (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))):
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(out, expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=DTYPES,
+    rows=st.integers(1, 40),
+    size=st.sampled_from([8, 64, 1536]),
+    act=st.sampled_from(["silu", "gelu_pytorch_tanh"]),
+    seed=st.integers(0, 2**16),
+)
+def test_gated_activation_matches_pytorch(dtype, rows, size, act, seed):
+    torch.manual_seed(seed)
+    layer = GatedActivation(act)
+    gate_up = (torch.randn(rows, 2 * size) * 4).to(dtype)
+    out = through_kernel("gated_activation", lambda: layer(gate_up))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "pointwise_takes", lambda x: False)
+        expected = layer(gate_up)
+    # GELU's 1 + tanh(..) cancels for very negative gates, where two tanh implementations' last-bit differences
+    # become relative errors of any size: absolutely, they stay a few fp32 steps of gate * up.
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    assert_near(out, expected, floor=8 * torch.finfo(torch.float32).eps * (gate * up).abs())
+
+
+def test_ops_refuse_what_they_cannot_take():
+    assert kernels.load()
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="weight"):
+        torch.ops.liteinfer.rms_norm(x, torch.ones(7), 1e-6, False)
+    with pytest.raises(RuntimeError, match="silu or gelu_tanh"):
+        torch.ops.liteinfer.gated_activation(x, "relu")
+    q = torch.randn(4, 2, 8)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        torch.ops.liteinfer.rotary(q, q, torch.randn(3, 8), torch.randn(3, 8))
