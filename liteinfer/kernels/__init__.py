@@ -1,7 +1,7 @@
 """Kernels of our own, in C++, for what PyTorch has no fast op for on CPU: decode attention that reads the paged KV
 pool in place, float linears on weights packed for them, the one-row matmul of int8 weights (and of float ones where
 the packed kernel is not built), the greedy argmax of a step's logits, and a decoder layer's per-token operations
-(RMSNorm, rotary, gated activation) in one pass each for the steps that run eagerly.
+(RMSNorm, rotary, gated activation, the K/V cache write) in one pass each for the steps that run eagerly.
 
 Contract: `load()` compiles the sources next to this file with the machine's C++ compiler (torch's extension
 builder; the first time only, then cached under TORCH_EXTENSIONS_DIR, one build per CPU, Python and torch, since
@@ -41,7 +41,10 @@ to x's dtype wherever the PyTorch expressions in layers/norm.py, rotary.py and a
 -> (norm(x + residual), x + residual), where norm(v) = weight * (v / rms(v)), or v / rms(v) * (1 + weight) with
 `gemma`; `rotary(q [tokens, heads, dim], k [tokens, kv_heads, dim], cos, sin [tokens, (1,) dim])` -> (q, k)
 rotated "rotate half" style (each head's row contiguous, rows at any stride); `gated_activation(gate_up
-[rows, 2 * size], act: "silu" or "gelu_tanh")` -> act(gate) * up, gate the first half of each row.
+[rows, 2 * size], act: "silu" or "gelu_tanh")` -> act(gate) * up, gate the first half of each row;
+`write_kv(k, v [tokens, kv_heads, dim], k_cache, v_cache, slot_blocks, slot_offsets [tokens] int64)` copies each
+token's K and V into row slot_offsets[t] of block slot_blocks[t] of the pools (in place; a slot outside the pool
+is refused).
 """
 
 from __future__ import annotations
@@ -169,6 +172,10 @@ def _build() -> None:
     @torch.library.register_fake("liteinfer::gated_activation")
     def _(gate_up, act):
         return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+    @torch.library.register_fake("liteinfer::write_kv")
+    def _(k, v, k_cache, v_cache, slot_blocks, slot_offsets):
+        return None
 
 
 def build_tag() -> str:

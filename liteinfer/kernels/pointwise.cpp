@@ -1,10 +1,11 @@
 // A decoder layer's per-token operations, each one pass over its rows: RMSNorm (with the residual add before it),
-// rotary embedding of the queries and keys, and the gated activation. Eager PyTorch spends several ops on each
-// (seven for a norm), every one a trip through memory and, at a decode step's few rows, mostly dispatch; inductor
-// fuses them in the compiled graph, and these serve the steps that run eagerly. Each rounds to the activations'
-// dtype where the PyTorch expression it replaces does (layers/norm.py, rotary.py, activation.py), so that bf16
-// results agree with it. Registered (CPU) as torch.ops.liteinfer.rms_norm, add_rms_norm, rotary and
-// gated_activation; liteinfer/kernels/__init__.py builds them and gives their contract.
+// rotary embedding of the queries and keys, the gated activation, and the new K/V copied into their cache slots.
+// Eager PyTorch spends several ops on each (seven for a norm), every one a trip through memory and, at a decode
+// step's few rows, mostly dispatch; inductor fuses them in the compiled graph, and these serve the steps that run
+// eagerly. Each rounds to the activations' dtype where the PyTorch expression it replaces does (layers/norm.py,
+// rotary.py, activation.py), so that bf16 results agree with it. Registered (CPU) as torch.ops.liteinfer.rms_norm,
+// add_rms_norm, rotary, gated_activation and write_kv; liteinfer/kernels/__init__.py builds them and gives their
+// contract.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -13,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <utility>
 
 namespace {
 
@@ -201,6 +203,41 @@ at::Tensor gated_activation(const at::Tensor& gate_up, c10::string_view act) {
   return out;
 }
 
+// Each new token's K and V ([tokens, kv_heads, dim], each head's row contiguous) copied into its cache slot: row
+// slot_offsets[t] of block slot_blocks[t] of pools [blocks, kv_heads, block_size, dim]. PyTorch's indexed
+// assignment costs ~10 us a call at a decode step's few tokens, two calls a layer.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "expected K/V pools [blocks, kv_heads, block_size, dim], contiguous, alike");
+  const int64_t tokens = k.size(0), heads = k_cache.size(1), block_size = k_cache.size(2), dim = k_cache.size(3);
+  for (const at::Tensor* x : {&k, &v})
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == tokens && x->size(1) == heads && x->size(2) == dim &&
+                    x->stride(2) == 1 && x->scalar_type() == k_cache.scalar_type(),
+                "expected k and v [tokens, kv_heads, dim] in the pools' dtype, each head's row contiguous");
+  TORCH_CHECK(slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
+                  slot_blocks.numel() == tokens && slot_offsets.numel() == tokens && slot_blocks.is_contiguous() &&
+                  slot_offsets.is_contiguous(),
+              "expected one int64 slot block and offset per token");
+  const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
+  const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(blocks[t] >= 0 && blocks[t] < k_cache.size(0) && offsets[t] >= 0 && offsets[t] < block_size,
+                "cache slot (", blocks[t], ", ", offsets[t], ") outside the pool");
+  const int64_t row_bytes = dim * static_cast<int64_t>(k.element_size());
+  for (auto [src, pool] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
+    const char* from = static_cast<const char*>(src->data_ptr());
+    char* to = static_cast<char*>(pool->data_ptr());
+    const int64_t token_stride = src->stride(0) * src->element_size();
+    const int64_t head_stride = src->stride(1) * src->element_size();
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        std::memcpy(to + ((blocks[t] * heads + h) * block_size + offsets[t]) * row_bytes,
+                    from + t * token_stride + h * head_stride, row_bytes);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(liteinfer, m) {
@@ -208,6 +245,8 @@ TORCH_LIBRARY_FRAGMENT(liteinfer, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool gemma) -> (Tensor, Tensor)");
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("gated_activation(Tensor gate_up, str act) -> Tensor");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_blocks, "
+        "Tensor slot_offsets) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(liteinfer, CPU, m) {
@@ -215,4 +254,5 @@ TORCH_LIBRARY_IMPL(liteinfer, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary", &rotary);
   m.impl("gated_activation", &gated_activation);
+  m.impl("write_kv", &write_kv);
 }

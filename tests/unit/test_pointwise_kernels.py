@@ -10,7 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from liteinfer import kernels
-from liteinfer.layers import GatedActivation, GemmaRMSNorm, RMSNorm, RotaryEmbedding, apply_rotary
+from liteinfer.layers import (
+    AttentionMetadata,
+    GatedActivation,
+    GemmaRMSNorm,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+)
 from liteinfer.layers.rotary import rotate_queries_and_keys
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
@@ -119,6 +127,34 @@ def test_gated_activation_matches_pytorch(dtype, rows, size, act, seed):
     assert_near(out, expected, floor=8 * torch.finfo(torch.float32).eps * (gate * up).abs())
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=DTYPES,
+    tokens=st.integers(1, 40),
+    kv_heads=st.integers(1, 3),
+    block_size=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_write_kv_matches_indexed_assignment(dtype, tokens, kv_heads, block_size, seed):
+    """The step's K/V written into distinct random slots of the pools; v as the layers hand it over (a view into
+    the fused projection's rows)."""
+    torch.manual_seed(seed)
+    dim, num_blocks = 32, 64
+    attn = PagedAttention(kv_heads, kv_heads, dim, dim**-0.5)
+    pools = [torch.randn(num_blocks, kv_heads, block_size, dim).to(dtype) for _ in range(2)]
+    attn.k_cache, attn.v_cache = (pool.clone() for pool in pools)
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    blocks, offsets = slots // block_size, slots % block_size
+    # Each token a decode that sees its block up to its own slot (attention runs too; its output is not checked).
+    meta = AttentionMetadata(blocks, offsets, positions=offsets, decode_block_tables=blocks[:, None], prefills=[])
+    kv = torch.randn(tokens, 3 * kv_heads * dim).to(dtype)
+    k, v = kv[:, kv_heads * dim :].split(kv_heads * dim, dim=-1)
+    through_kernel("write_kv", lambda: attn(torch.zeros(tokens, kv_heads * dim, dtype=dtype), k, v, meta))
+    for pool, new, written in zip(pools, (k, v), (attn.k_cache, attn.v_cache)):
+        pool[meta.slot_blocks, :, meta.slot_offsets] = new.reshape(tokens, kv_heads, dim)
+        assert torch.equal(written, pool)
+
+
 def test_ops_refuse_what_they_cannot_take():
     assert kernels.load()
     x = torch.randn(4, 8)
@@ -129,3 +165,6 @@ def test_ops_refuse_what_they_cannot_take():
     q = torch.randn(4, 2, 8)
     with pytest.raises(RuntimeError, match="cos and sin"):
         torch.ops.liteinfer.rotary(q, q, torch.randn(3, 8), torch.randn(3, 8))
+    pool = torch.zeros(4, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        torch.ops.liteinfer.write_kv(q, q, pool, pool.clone(), torch.tensor([0, 0, 4, 0]), torch.zeros(4).long())
