@@ -97,8 +97,9 @@ inline __m512 widen16(const c10::BFloat16* src) {
 }
 #endif
 
-// The query as score_rows multiplies it: bf16 as it is where vdpbf16ps takes it (both operands bf16: exact products,
-// fp32 sums, and no widening of the keys), widened to fp32 otherwise.
+// Whether both kernels multiply bf16 pairs with vdpbf16ps (bf16 pools on CPUs with AVX-512 BF16): both operands are
+// bf16 already, so the products are exact and summed in fp32, with no widened copy. `Query`: the query as the decode
+// kernel's score_rows reads it, bf16 as it is there, widened to fp32 otherwise.
 template <typename scalar_t, int64_t kDim>
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Dot = std::is_same_v<scalar_t, c10::BFloat16> && kDim > 0 && kDim % 32 == 0;
@@ -111,8 +112,8 @@ using Query = std::conditional_t<kBf16Dot<scalar_t, kDim>, c10::BFloat16, float>
 // scores[g * stride + j] = scale * (query g · key row j), for n consecutive key rows and each of the group's query
 // heads (`group` of them, side by side); fp32 queries take the rows widened into `buffer` (16 rows' room).
 template <typename scalar_t, int64_t kDim>
-void score_rows(const Query<scalar_t, kDim>* query, int64_t group, int64_t dim, const scalar_t* rows, int64_t n, float scale,
-                float* buffer, float* scores, int64_t stride) {
+void score_rows(const Query<scalar_t, kDim>* query, int64_t group, int64_t dim, const scalar_t* rows, int64_t n,
+                float scale, float* buffer, float* scores, int64_t stride) {
   int64_t j = 0;
 #if defined(__AVX512F__)
   if constexpr (kDim > 0 && kDim % 16 == 0) {
@@ -411,7 +412,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   auto k_index = [](int64_t j, int64_t d) { return kBf16 ? (d / 2 * kPanel + j) * 2 + d % 2 : d * kPanel + j; };
   auto v_index = [](int64_t j, int64_t d) { return kBf16 ? (j / 2 * kDim + d) * 2 + j % 2 : j * kDim + d; };
   // Every element is written below (keys past a span's last position as zeros): allocated, not zero-filled first.
-  const std::unique_ptr<Panel[]> k_panels(new Panel[kv_heads * keys * kDim]), v_panels(new Panel[kv_heads * keys * kDim]);
+  const std::unique_ptr<Panel[]> k_panels(new Panel[kv_heads * keys * kDim]);
+  const std::unique_ptr<Panel[]> v_panels(new Panel[kv_heads * keys * kDim]);
   at::parallel_for(0, panels * kv_heads, 1, [&](int64_t begin, int64_t end) {
     float k_row[kDim], v_row[kDim];
     for (int64_t task = begin; task < end; ++task) {
