@@ -1,8 +1,9 @@
 """The pointwise kernels (liteinfer/kernels/pointwise.cpp) against the PyTorch expressions they replace in eager
-steps: RMSNorm with and without the residual add (Llama's and Gemma's weight forms), rotary over q and k, and the
-gated activations. They round where those expressions round, so results agree to the last bit of the activation
-dtype, except where an fp32 sum or exp in a different order lands a hair on the other side of a rounding boundary:
-then a step of the dtype at each rounding the expression makes (two at most), for a handful of elements."""
+steps: RMSNorm with and without the residual add (Llama's and Gemma's weight forms), rotary over q and k, the gated
+activations, and the K/V cache write. They round where those expressions round, so results agree to the last bit of
+the activation dtype, except where an fp32 sum or exp in a different order lands a hair on the other side of a
+rounding boundary: then a step of the dtype at each rounding the expression makes (two at most), for a handful of
+elements."""
 
 import pytest
 import torch
