@@ -8,8 +8,9 @@ What the graph does differently from eager, and why:
 - The linears multiply through our packed-linear kernel (`layers/linear.py: linear`, `kernels/packed_linear.cpp`)
   in both graphs: the engine packs the float weights for it before compiling (`ShardSpec.build_model`), as plain
   tensors that the graphs take as constants (inductor's freezing). Weights the kernel cannot take (an output count
-  that 16 does not divide; a CPU without AVX-512 BF16) stay plain for the tracer: freezing then prepacks them for
-  oneDNN in the batched graph, and the batch-of-one graph streams them through our GEMV (`kernels/gemv.cpp`).
+  that 16 does not divide; fp32 on a CPU without AVX-512 BF16) stay plain for the tracer: freezing then prepacks
+  them for oneDNN in the batched graph, and the batch-of-one graph streams them through our GEMV
+  (`kernels/gemv.cpp`).
   oneDNN's packed tensors cannot be traced, so once `warm_up` has compiled, the engine prepacks those plain
   weights for the eager steps (the graphs never read them again), and any later recompile, which could not trace
   them, is refused.

@@ -25,8 +25,8 @@ built on AVX-512 CPUs only (`prefill_available()`).
 
 `packed_linear(x [rows, in], weight [out / 16, in / pair, 16, pair], bias [out] or None)` -> [rows, out] =
 x W^T (+ bias), summed in fp32, in x's dtype (fp32: pair 1; bf16: pair 2), for W [out, in] packed by
-`layers/linear.py: pack_weight` (16 outputs' weights for one input pair side by side); built on CPUs with AVX-512
-and its BF16 extension only (`packed_linear_available()`).
+`layers/linear.py: pack_weight` (16 outputs' weights for one input pair side by side); built on x86 CPUs with
+AVX-512 BF16 (fp32 and bf16) or with AVX2 and FMA (bf16 only): `packed_linear_available(dtype)`.
 
 `gemv(x [1, in], weight [out, in] contiguous, scales [out] or None, bias [out] or None)` -> [1, out] =
 x (weight * scales)^T (+ bias), summed in fp32, in x's dtype (fp32 or bf16): a float weight is in x's dtype and
@@ -95,9 +95,11 @@ def pointwise_takes(x: torch.Tensor) -> bool:
     return bool(_loaded) and x.is_cpu and x.dtype in _POINTWISE_DTYPES and not torch.compiler.is_compiling()
 
 
-def packed_linear_available() -> bool:
-    """The packed linear is built for AVX-512 CPUs with BF16 only; elsewhere float weights stay oneDNN's."""
-    return available() and hasattr(torch.ops.liteinfer, "packed_linear")
+def packed_linear_available(dtype: torch.dtype) -> bool:
+    """Whether the packed linear multiplies `dtype` here: fp32 and bf16 on CPUs with AVX-512 BF16, bf16 on CPUs with
+    AVX2 and FMA (whose fp32 stays oneDNN's), nothing elsewhere (float weights stay oneDNN's or PyTorch's)."""
+    return (available() and hasattr(torch.ops.liteinfer, "packed_linear")
+            and torch.ops.liteinfer.packed_linear_takes(dtype))
 
 
 SOURCES = ("paged_attention.cpp", "gemv.cpp", "packed_linear.cpp", "argmax.cpp", "pointwise.cpp")

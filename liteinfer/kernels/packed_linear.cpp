@@ -1,7 +1,7 @@
 // y = x W^T (+ b) for any number of rows x, with W packed for it by layers/linear.py: pack_weight. W's outputs go
 // in groups of three blocks of 16 (48 outputs; the last group one or two blocks when the blocks do not divide by
 // three), each group stored step by step: for each input pair (bf16: the two inputs one vdpbf16ps multiplies) or
-// input (fp32), its outputs' weights side by side. Registered (CPU, AVX-512 with BF16) as
+// input (fp32), its outputs' weights side by side. Registered (CPU: AVX-512 with BF16, or AVX2 with FMA) as
 // torch.ops.liteinfer.packed_linear; liteinfer/kernels/__init__.py builds it and gives its contract.
 //
 // A step of a block is one 64-byte load holding 16 outputs' weights for one input (pair): multiplied by that input
@@ -11,11 +11,20 @@
 // into L2 over the tiles before the last, so that W comes from DRAM once per call, overlapped with the arithmetic.
 // On SmolLM2's linears this ran about 1.5x oneDNN's prepacked matmul at 32 rows, level with our one-row GEMV at
 // one row, and level with oneDNN from 256 rows up (docs/benchmarks.md).
+//
+// On CPUs with AVX2 and FMA but not AVX-512 BF16 the same layout is read by a tile of their own (further below):
+// a block of 16 outputs is two 8-lane vectors, and bf16 weights are widened in registers.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define LITEINFER_PACKED_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LITEINFER_PACKED_AVX2
+#endif
+
+#if defined(LITEINFER_PACKED_AVX512) || defined(LITEINFER_PACKED_AVX2)
 #include <immintrin.h>
 
 #include <algorithm>
@@ -30,6 +39,13 @@ constexpr int64_t BLOCKS = 3;   // blocks of 16 outputs per group
 constexpr int64_t M_BLOCK = 128;  // rows per pass over W: their x stays in L2 (128 x 1536 bf16: 384 KB)
 constexpr int64_t LINE = 64;
 
+// Where a tile prefetches: `lines` cache lines from `next`, one after each step's loads.
+struct Prefetch {
+  const char* next;
+  int64_t lines;
+};
+
+#if defined(LITEINFER_PACKED_AVX512)
 // One dtype's load, multiply-add and store of 16 outputs; `pair` inputs per step.
 template <typename T>
 struct Arith;
@@ -62,12 +78,6 @@ struct Arith<c10::BFloat16> {
   static void store(c10::BFloat16* y, __m512 v) {  // rounded to nearest even, as oneDNN's bf16 output is
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
   }
-};
-
-// Where a tile prefetches: `lines` cache lines from `next`, one after each step's loads.
-struct Prefetch {
-  const char* next;
-  int64_t lines;
 };
 
 // y[MT rows, 16 * NB outputs] = x[MT rows] . the group of NB blocks at `w` (+ b).
@@ -111,6 +121,72 @@ void tile(const T* x, int64_t k, const T* w, const T* bias, T* y, int64_t n, Pre
     }
 }
 
+#else  // LITEINFER_PACKED_AVX2
+// bf16 only: there fp32 W stays oneDNN's, whose fp32 matmul ran SmolLM2's linears faster than a kernel of this shape
+// (32 rows: 101 vs 129 ms; 128 rows: 262 vs 484), while PyTorch's bf16 matmul ran ~6x slower than this one
+// (docs/benchmarks.md). With no bf16 products, pairs are widened in registers: a 32-bit lane holds one output's
+// weights for the step's two inputs (or the two inputs of x), the first in the low half; shifted up, the low half
+// is the first in fp32, and masked, the high half is the second. (x widened to fp32 once per call instead ran 8%
+// slower at 32 rows and 48% at 128: twice the bytes per row in L2, and two broadcasts per pair.)
+
+// 16 registers of 8 lanes: a block of 16 outputs is two vectors, so a tile's rows go four at a time (4 x 2 sums,
+// the block's weights for both inputs, a row's two inputs), each block of the group in its own pass; the group,
+// ~20-150 KB, stays in L2 between passes.
+constexpr int PASS_ROWS = 4;
+
+inline __m256 first_of_pairs(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline __m256 second_of_pairs(__m256i v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+
+// y[R rows, 16 outputs] = x[R rows] . one block, whose steps lie `stride` elements apart (the group's blocks
+// interleave step by step).
+template <int R>
+void pass(const c10::BFloat16* x, int64_t k, const c10::BFloat16* w, int64_t stride, const c10::BFloat16* bias,
+          c10::BFloat16* y, int64_t n, Prefetch prefetch) {
+  __m256 acc[R][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < k / 2; ++s) {
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * stride));  // outputs 0-7
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * stride + 16));  // 8-15
+    const __m256 lo_first = first_of_pairs(lo), lo_second = second_of_pairs(lo);
+    const __m256 hi_first = first_of_pairs(hi), hi_second = second_of_pairs(hi);
+    if (s < prefetch.lines) _mm_prefetch(prefetch.next + s * LINE, _MM_HINT_T1);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i pair = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * k + 2 * s));
+      const __m256 x_first = first_of_pairs(pair), x_second = second_of_pairs(pair);
+      acc[r][0] = _mm256_fmadd_ps(lo_second, x_second, _mm256_fmadd_ps(lo_first, x_first, acc[r][0]));
+      acc[r][1] = _mm256_fmadd_ps(hi_second, x_second, _mm256_fmadd_ps(hi_first, x_first, acc[r][1]));
+    }
+  }
+  alignas(32) float sums[16];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(sums, acc[r][0]);
+    _mm256_store_ps(sums + 8, acc[r][1]);
+    for (int j = 0; j < 16; ++j)  // rounded to nearest even, as the AVX-512 tile's store
+      y[r * n + j] = static_cast<c10::BFloat16>(bias ? sums[j] + static_cast<float>(bias[j]) : sums[j]);
+  }
+}
+
+// The AVX-512 tile's contract (y[MT rows, 16 * NB outputs] = x[MT rows] . the group of NB blocks at `w`), by
+// passes of up to PASS_ROWS rows over one block each; the first pass prefetches.
+template <typename T, int MT, int NB>
+void tile(const T* x, int64_t k, const T* w, const T* bias, T* y, int64_t n, Prefetch prefetch) {
+  constexpr int64_t stride = NB * 32;  // a step of the group: NB blocks of 16 outputs' pairs
+  constexpr int first_rows = std::min(MT, PASS_ROWS);
+  for (int b = 0; b < NB; ++b) {
+    const T* block_bias = bias ? bias + b * 16 : nullptr;
+    pass<first_rows>(x, k, w + b * 32, stride, block_bias, y + b * 16, n, b == 0 ? prefetch : Prefetch{nullptr, 0});
+    if constexpr (MT > PASS_ROWS) {
+      pass<MT - PASS_ROWS>(x + PASS_ROWS * k, k, w + b * 32, stride, block_bias, y + PASS_ROWS * n + b * 16, n,
+                           Prefetch{nullptr, 0});
+    }
+  }
+}
+#endif
+
 template <typename T>
 using TileFn = void (*)(const T*, int64_t, const T*, const T*, T*, int64_t, Prefetch);
 
@@ -152,9 +228,17 @@ void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, 
   }
 }
 
+bool packed_linear_takes(at::ScalarType dtype) {
+#if defined(LITEINFER_PACKED_AVX512)
+  return dtype == at::kFloat || dtype == at::kBFloat16;
+#else
+  return dtype == at::kBFloat16;
+#endif
+}
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "packed_linear takes fp32 or bf16 x");
+  TORCH_CHECK(packed_linear_takes(x.scalar_type()), "packed_linear takes ",
+              packed_linear_takes(at::kFloat) ? "fp32 or bf16" : "bf16 (fp32 stays oneDNN's on this CPU)", " x");
   const int64_t pair = x.scalar_type() == at::kBFloat16 ? 2 : 1;
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 4 && weight.size(2) == 16 && weight.size(3) == pair &&
                   weight.size(1) * pair == x.size(1),
@@ -171,7 +255,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
     packed_linear_rows<T>(x_.data_ptr<T>(), weight.data_ptr<T>(), b.defined() ? b.data_ptr<T>() : nullptr,
                           y.data_ptr<T>(), m, n, k);
   };
+#if defined(LITEINFER_PACKED_AVX512)
   pair == 2 ? run(c10::BFloat16{}) : run(float{});
+#else
+  run(c10::BFloat16{});
+#endif
   return y;
 }
 
@@ -179,6 +267,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
 
 TORCH_LIBRARY_FRAGMENT(liteinfer, m) {
   m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("packed_linear_takes(ScalarType dtype) -> bool", &packed_linear_takes);  // no tensor: no dispatch key
 }
 
 TORCH_LIBRARY_IMPL(liteinfer, CPU, m) { m.impl("packed_linear", &packed_linear); }

@@ -82,10 +82,10 @@ def _float_as_loaded(weight: torch.Tensor) -> bool:
 
 
 def packable(weight: torch.Tensor) -> bool:
-    """Whether `kernels`' packed_linear takes W: as loaded, on a CPU that has it built (building the kernels if they
-    are not yet), out a multiple of 16 and in one of the step's inputs."""
+    """Whether `kernels`' packed_linear takes W: as loaded, in a dtype that this CPU's build multiplies (building the
+    kernels if they are not yet), out a multiple of 16 and in one of the step's inputs."""
     return (_float_as_loaded(weight) and weight.shape[0] % 16 == 0 and weight.shape[1] % _pair(weight.dtype) == 0
-            and kernels.load() and kernels.packed_linear_available())
+            and kernels.load() and kernels.packed_linear_available(weight.dtype))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -110,6 +110,14 @@ def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat(rows).reshape(blocks * 16, steps * pair)
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN prepacks W of `dtype` on this CPU: bf16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and
+    without them oneDNN refuses the reorder (an AVX2-only CPU keeps bf16 W as loaded for PyTorch's own matmul)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def pack_linears(model: nn.Module, modules: tuple[type[nn.Module], ...], onednn: bool = True) -> None:
     """Repack the loaded float W of each of `modules` (which multiply through `linear`) for the fastest kernel this
     CPU has for it: our packed linear where it takes W (`packable`); otherwise, with `onednn`, oneDNN's blocked
@@ -128,7 +136,7 @@ def pack_linears(model: nn.Module, modules: tuple[type[nn.Module], ...], onednn:
             continue
         if packable(weight):
             packed = pack_weight(weight.data)
-        elif onednn and torch.backends.mkldnn.is_available():
+        elif onednn and onednn_packs(weight.dtype):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.data, ONEDNN_BATCH_HINT)
         else:
             continue

@@ -87,8 +87,8 @@ def test_both_graphs_multiply_through_the_packed_linear_kernel_the_batch_of_one_
     """Each graph's linears, LM head included, run kernels/packed_linear.cpp on the weights the engine packed before
     compiling (inductor packs no copy of its own for oneDNN); the batch-of-one graph calls it from C++ (inductor's
     cpp_wrapper: no Python per kernel call), the batched graph from Python."""
-    if not kernels.packed_linear_available():
-        pytest.skip("the packed linear is built for AVX-512 CPUs with BF16 only")
+    if not kernels.packed_linear_available(torch.float32):
+        pytest.skip("the packed linear takes fp32 on CPUs with AVX-512 BF16 only")
     llm, code = compiled
     num_linears = sum(isinstance(m, Linear) for m in llm.engine.runner.model.modules()) + 1  # + the LM head
     assert code.count('aoti_torch_call_dispatcher("liteinfer::packed_linear"') == num_linears
@@ -118,7 +118,7 @@ def test_another_engine_in_the_same_process_gets_its_own_graphs(compiled, tmp_pa
     make_tiny_llama(tmp_path, smollm2_tokenizer, "gqa-untied", seed=1)
     hits = counters["inductor"]["fxgraph_cache_hit"]
     other = LLM(str(tmp_path), enforce_eager=False, **ENGINE)
-    if kernels.packed_linear_available():  # oneDNN's packed weights cannot be pickled: no cache without it
+    if kernels.packed_linear_available(torch.float32):  # oneDNN's packed weights cannot be pickled: no cache without it
         assert counters["inductor"]["fxgraph_cache_hit"] == hits + 2
     prompts = PROMPTS[:2]
     assert token_ids(other.generate(prompts, GREEDY)) == token_ids(LLM(str(tmp_path), **ENGINE).generate(prompts,

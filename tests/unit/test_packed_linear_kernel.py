@@ -9,10 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from liteinfer import kernels
-from liteinfer.layers.linear import linear, pack_linears, pack_weight, packable, unpack_weight
+from liteinfer.layers.linear import linear, onednn_packs, pack_linears, pack_weight, packable, unpack_weight
 
-pytestmark = pytest.mark.skipif(not (kernels.load() and kernels.packed_linear_available()),
-                                reason="the packed linear is built for AVX-512 CPUs with BF16 only")
+pytestmark = pytest.mark.skipif(not (kernels.load() and kernels.packed_linear_available(torch.bfloat16)),
+                                reason="the packed linear is built for x86 CPUs with AVX-512 BF16 or AVX2 and FMA")
+# fp32 on CPUs with AVX-512 BF16 only (on AVX2 ones fp32 stays oneDNN's).
+DTYPES = [dtype for dtype in (torch.float32, torch.bfloat16) if kernels.packed_linear_available(dtype)]
 
 
 @settings(max_examples=60, deadline=None)
@@ -20,7 +22,7 @@ pytestmark = pytest.mark.skipif(not (kernels.load() and kernels.packed_linear_av
     rows=st.one_of(st.integers(0, 20), st.integers(120, 300)),  # every tile size; more than one block of 128 rows
     blocks=st.integers(1, 8),  # 16 outputs each: groups of three blocks, and of one or two at the end
     steps=st.integers(1, 300),  # fp32 sums in chunks of 128 steps: one to three of them
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    dtype=st.sampled_from(DTYPES),
     with_bias=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -44,6 +46,7 @@ def test_packed_linear_is_within_fp32_summation_error_of_the_exact_product(rows,
     assert ((out.double() - exact).abs() <= bound).all()
 
 
+@pytest.mark.skipif(torch.float32 not in DTYPES, reason="fp32 stays oneDNN's on this CPU")
 def test_fp32_sums_over_long_rows_err_no_more_than_pytorchs():
     """Against float64: the kernel's two-level sums stay as close as PyTorch's fp32 matmul over 2,048 inputs (one
     running sum erred ~5x more, which moved Gemma 3's fp32 logits past the parity test's bound)."""
@@ -64,19 +67,22 @@ def test_unpack_weight_inverts_pack_weight(blocks, dtype):
 
 def test_packed_linear_refuses_mismatched_inputs():
     packed_linear = torch.ops.liteinfer.packed_linear
-    weight = pack_weight(torch.randn(32, 8))
+    x, weight = torch.zeros(2, 8, dtype=torch.bfloat16), pack_weight(torch.randn(32, 8, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="expected x"):
-        packed_linear(torch.zeros(2, 6), weight, None)  # inputs
+        packed_linear(x[:, :6], weight, None)  # inputs
     with pytest.raises(RuntimeError, match="expected x"):
-        packed_linear(torch.zeros(2, 8), torch.randn(32, 8), None)  # not packed
+        packed_linear(x, torch.randn(32, 8, dtype=torch.bfloat16), None)  # not packed
     with pytest.raises(RuntimeError, match="expected x"):
-        packed_linear(torch.zeros(2, 8).bfloat16(), weight, None)  # bf16 takes pairs
+        packed_linear(x, pack_weight(torch.randn(32, 8)).bfloat16(), None)  # bf16 takes pairs
     with pytest.raises(RuntimeError, match="x's dtype"):
-        packed_linear(torch.zeros(2, 8).bfloat16(), pack_weight(torch.randn(32, 8)).view(2, 4, 16, 2), None)
-    with pytest.raises(RuntimeError, match="fp32 or bf16"):
-        packed_linear(torch.zeros(2, 8).half(), weight, None)
+        packed_linear(x, pack_weight(torch.randn(32, 8)).view(2, 4, 16, 2), None)
+    with pytest.raises(RuntimeError, match="packed_linear takes"):
+        packed_linear(x.half(), weight.half(), None)
+    if torch.float32 not in DTYPES:
+        with pytest.raises(RuntimeError, match="fp32 stays oneDNN's"):
+            packed_linear(x.float(), pack_weight(torch.randn(32, 8)), None)
     with pytest.raises(RuntimeError, match="bias"):
-        packed_linear(torch.zeros(2, 8), weight, torch.zeros(16))
+        packed_linear(x, weight, torch.zeros(16, dtype=torch.bfloat16))
 
 
 def test_pack_linears_takes_what_the_kernel_takes_and_leaves_the_rest_plain_or_to_onednn():
@@ -95,7 +101,10 @@ def test_pack_linears_takes_what_the_kernel_takes_and_leaves_the_rest_plain_or_t
     assert not (model.odd_outputs.weight.is_mkldnn or model.odd_inputs.weight.is_mkldnn)
     pack_linears(model, (torch.nn.Linear,))
     assert model.packed.weight.shape == (2, 4, 16, 2)
-    assert model.odd_outputs.weight.is_mkldnn and model.odd_inputs.weight.is_mkldnn
+    # oneDNN prepacks bf16 only where the CPU has what its bf16 path needs (AVX-512 BW/VL/DQ or AVX-NE-CONVERT);
+    # elsewhere it would refuse, and W stays as loaded.
+    takes_bf16 = onednn_packs(torch.bfloat16)
+    assert model.odd_outputs.weight.is_mkldnn == model.odd_inputs.weight.is_mkldnn == takes_bf16
     for name, m in model.named_children():
         torch.testing.assert_close(linear(x[m.in_features], m.weight, m.bias), expected[name], atol=1e-2, rtol=1e-2)
     # Three-dimensional inputs keep their leading dimensions.

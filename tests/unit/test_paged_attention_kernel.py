@@ -17,6 +17,8 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DTYPES = st.sampled_from(list(TOLERANCE))
 KV_HEADS, GROUPS = st.integers(1, 3), st.integers(1, 6)  # group: query heads per KV head (5, 6: past the 4 of
 # 64-wide heads whose sums the decode kernel keeps in registers at once)
+needs_prompt_kernel = pytest.mark.skipif(not (kernels.load() and kernels.prefill_available()),
+                                         reason="the prompt kernel is built for AVX-512 CPUs only")
 
 
 def test_kernel_builds_here():
@@ -62,6 +64,7 @@ def test_kernel_matches_attention_over_gathered_blocks(data, dtype, kv_heads, gr
     torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@needs_prompt_kernel
 @settings(max_examples=60, deadline=None)
 @given(
     data=st.data(),
@@ -74,7 +77,6 @@ def test_kernel_matches_attention_over_gathered_blocks(data, dtype, kv_heads, gr
 )
 def test_prompt_kernel_matches_sdpa_per_span(data, dtype, kv_heads, group, dim, block_size, window):
     """Spans of 1-40 new tokens on top of 0-50 cached ones (prefix hits, chunked prefill), several per call."""
-    assert kernels.prefill_available()
     attn = PagedAttention(kv_heads * group, kv_heads, dim, dim**-0.5, sliding_window=window)
     num_blocks = 4 * -(-90 // block_size)  # room for four spans of up to 90 tokens
     attn.k_cache = torch.randn(num_blocks, kv_heads, block_size, dim).to(dtype)
@@ -111,6 +113,11 @@ def test_kernel_refuses_mismatched_inputs():
         op(torch.zeros(1, 3, 8), pool, pool, tables, positions, 1.0, 0, 0.0)
     with pytest.raises(RuntimeError, match="one block table and one position per query"):
         op(torch.zeros(2, 2, 8), pool, pool, tables, positions, 1.0, 0, 0.0)
+
+
+@needs_prompt_kernel
+def test_prompt_kernel_refuses_mismatched_inputs():
+    tables = torch.zeros(1, 1, dtype=torch.long)
     prompt = torch.ops.liteinfer.paged_prefill_attention
     pool = torch.zeros(4, 2, 4, 64)
     with pytest.raises(RuntimeError, match="cover q's rows"):
@@ -141,12 +148,12 @@ def test_engine_gives_the_same_tokens_on_the_fallback_path(tiny_llama_dir, monke
     assert generate() == with_kernel
 
 
+@needs_prompt_kernel
 @pytest.mark.parametrize(
     ("context", "uses_kernel"), [(PROMPT_KERNEL_MAX_KEYS - 2, True), (PROMPT_KERNEL_MAX_KEYS, False)]
 )
 def test_prompt_kernel_takes_spans_up_to_its_key_limit(context, uses_kernel):
     """Past PROMPT_KERNEL_MAX_KEYS keys flash SDPA is as fast: such steps keep it, with the same result."""
-    assert kernels.prefill_available()
     attn = PagedAttention(4, 2, 64, 0.125)
     num_blocks = (context + 2) // 16 + 1
     attn.k_cache, attn.v_cache = torch.randn(num_blocks, 2, 16, 64), torch.randn(num_blocks, 2, 16, 64)
