@@ -169,3 +169,21 @@ def test_prompt_kernel_takes_spans_up_to_its_key_limit(context, uses_kernel):
     assert called == uses_kernel
     with mock.patch.object(kernels, "prefill_available", return_value=False):
         torch.testing.assert_close(out, attn._attend_prefills(q, meta), atol=2e-5, rtol=2e-5)
+
+
+def test_gathering_blocks_copies_those_blocks_only():
+    """The fallback paths (CUDA decodes, prompts where the prompt kernel is not built) gather a sequence's blocks:
+    selecting them from the pool viewed heads-first made PyTorch copy the whole pool every call (a 37 s prefill of
+    32 short prompts on an AVX2 CPU). The gather allocates what it returns and little more."""
+    attn = PagedAttention(4, 2, 64, 0.125)
+    attn.k_cache, attn.v_cache = torch.randn(4096, 2, 16, 64), torch.randn(4096, 2, 16, 64)  # 32 MiB each
+    tables = torch.tensor([[7, 4000], [12, 3]])
+    with torch.profiler.profile(profile_memory=True) as profile:
+        keys, values = attn._gather(tables)
+    allocated = sum(max(event.cpu_memory_usage, 0) for event in profile.events())
+    assert allocated < attn.k_cache.nbytes / 16  # ~10x what it returns, counted op by op; the pool is 512x
+    for pool, gathered in ((attn.k_cache, keys), (attn.v_cache, values)):
+        assert gathered.shape == (2, 2, 32, 64)  # [kv_heads, seqs, blocks * block_size, dim]
+        for s, row in enumerate(tables.tolist()):
+            expected = torch.cat([pool[block] for block in row], dim=1)  # [kv_heads, 32, dim]
+            assert torch.equal(gathered[:, s], expected)
