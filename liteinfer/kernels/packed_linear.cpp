@@ -129,9 +129,9 @@ void tile(const T* x, int64_t k, const T* w, const T* bias, T* y, int64_t n, Pre
 // is the first in fp32, and masked, the high half is the second. (x widened to fp32 once per call instead ran 8%
 // slower at 32 rows and 48% at 128: twice the bytes per row in L2, and two broadcasts per pair.)
 
-// 16 registers of 8 lanes: a block of 16 outputs is two vectors, so a tile's rows go four at a time (4 x 2 sums,
-// the block's weights for both inputs, a row's two inputs), each block of the group in its own pass; the group,
-// ~20-150 KB, stays in L2 between passes.
+// 16 registers of 8 lanes: a block of 16 outputs is two vectors, so a tile of several rows takes them four at a time
+// (4 x 2 sums, the block's weights for both inputs, a row's two inputs), each block of the group in its own pass;
+// the group, ~20-150 KB, stays in L2 between passes.
 constexpr int PASS_ROWS = 4;
 
 inline __m256 first_of_pairs(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
