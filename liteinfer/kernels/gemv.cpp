@@ -9,16 +9,17 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
 namespace {
 
-// y = W[r]·x for one row of W (length k), in fp32. The portable form; the AVX-512 one follows.
+// y = W[r]·x for one row of W (length k), in fp32. The portable form; the vector ones (AVX-512, AVX2) follow.
 template <typename weight_t, typename x_t>
 inline float dot_row(const weight_t* w, const x_t* x, int64_t k) {
   float sum = 0.f;
@@ -35,6 +36,7 @@ struct Step;
 
 template <>
 struct Step<float, float> {
+  using Vec = __m512;
   static constexpr int64_t width = 16;
   static __m512 full(__m512 acc, const float* w, const float* x) {
     return _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_loadu_ps(x), acc);
@@ -48,6 +50,7 @@ struct Step<float, float> {
 // int8 weights sign-extended and converted to fp32, against x widened to fp32 once per call.
 template <>
 struct Step<int8_t, float> {
+  using Vec = __m512;
   static constexpr int64_t width = 16;
   static __m512 full(__m512 acc, const int8_t* w, const float* x) {
     const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
@@ -64,6 +67,7 @@ struct Step<int8_t, float> {
 // vdpbf16ps multiplies bf16 pairs and accumulates in fp32, as oneDNN's bf16 matmul does.
 template <>
 struct Step<c10::BFloat16, c10::BFloat16> {
+  using Vec = __m512;
   static constexpr int64_t width = 32;
   static __m512 full(__m512 acc, const c10::BFloat16* w, const c10::BFloat16* x) {
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), (__m512bh)_mm512_loadu_si512(x));
@@ -75,15 +79,71 @@ struct Step<c10::BFloat16, c10::BFloat16> {
 };
 #endif
 
+inline __m512 zero(__m512) { return _mm512_setzero_ps(); }
+inline __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
+#define LITEINFER_GEMV_VECTOR
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same steps in 8 lanes (AVX2 CPUs; bf16 keeps the portable loop there). With no masked byte loads, a tail is
+// copied into zeroed registers' worth of memory first.
+template <typename weight_t, typename x_t>
+struct Step;
+
+template <typename weight_t, typename x_t, typename S>
+inline __m256 tail_through_copy(__m256 acc, const weight_t* w, const x_t* x, int64_t count) {
+  weight_t w_tail[S::width] = {};
+  x_t x_tail[S::width] = {};
+  std::copy(w, w + count, w_tail);
+  std::copy(x, x + count, x_tail);
+  return S::full(acc, w_tail, x_tail);
+}
+
+template <>
+struct Step<float, float> {
+  using Vec = __m256;
+  static constexpr int64_t width = 8;
+  static __m256 full(__m256 acc, const float* w, const float* x) {
+    return _mm256_fmadd_ps(_mm256_loadu_ps(w), _mm256_loadu_ps(x), acc);
+  }
+  static __m256 tail(__m256 acc, const float* w, const float* x, int64_t count) {
+    return tail_through_copy<float, float, Step>(acc, w, x, count);
+  }
+};
+
+template <>
+struct Step<int8_t, float> {
+  using Vec = __m256;
+  static constexpr int64_t width = 8;
+  static __m256 full(__m256 acc, const int8_t* w, const float* x) {
+    const __m256i bytes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(bytes), _mm256_loadu_ps(x), acc);
+  }
+  static __m256 tail(__m256 acc, const int8_t* w, const float* x, int64_t count) {
+    return tail_through_copy<int8_t, float, Step>(acc, w, x, count);
+  }
+};
+
+inline __m256 zero(__m256) { return _mm256_setzero_ps(); }
+inline __m256 add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+inline float reduce(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+}
+#define LITEINFER_GEMV_VECTOR
+#endif
+
+#if defined(LITEINFER_GEMV_VECTOR)
 // The row is read front to back, in address order, into four independent sums (one alone stalls on its own
 // add's latency). Reading eight rows side by side against one load of x, as this kernel did before, was 10-15%
 // slower in bf16 and int8: x stays in L1 either way, and one sequential stream per thread is what the hardware
 // prefetcher follows best (docs/benchmarks.md). The sums are four named registers, not an array indexed in a loop:
 // that form kept them in memory and lost the gain.
 template <typename weight_t, typename x_t, typename S = Step<weight_t, x_t>>
-inline float dot_row_avx512(const weight_t* w, const x_t* x, int64_t k) {
+inline float dot_row_vector(const weight_t* w, const x_t* x, int64_t k) {
   constexpr int64_t n = S::width;
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  using Vec = typename S::Vec;
+  Vec a0 = zero(Vec{}), a1 = zero(Vec{}), a2 = zero(Vec{}), a3 = zero(Vec{});
   int64_t i = 0;
   for (; i + 4 * n <= k; i += 4 * n) {
     a0 = S::full(a0, w + i, x + i);
@@ -93,21 +153,21 @@ inline float dot_row_avx512(const weight_t* w, const x_t* x, int64_t k) {
   }
   for (; i + n <= k; i += n) a0 = S::full(a0, w + i, x + i);
   if (i < k) a1 = S::tail(a1, w + i, x + i, k - i);
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  return reduce(add(add(a0, a1), add(a2, a3)));
 }
 
 template <>
 inline float dot_row<float, float>(const float* w, const float* x, int64_t k) {
-  return dot_row_avx512(w, x, k);
+  return dot_row_vector(w, x, k);
 }
 template <>
 inline float dot_row<int8_t, float>(const int8_t* w, const float* x, int64_t k) {
-  return dot_row_avx512(w, x, k);
+  return dot_row_vector(w, x, k);
 }
 #if defined(__AVX512BF16__)
 template <>
 inline float dot_row<c10::BFloat16, c10::BFloat16>(const c10::BFloat16* w, const c10::BFloat16* x, int64_t k) {
-  return dot_row_avx512(w, x, k);
+  return dot_row_vector(w, x, k);
 }
 #endif
 #endif

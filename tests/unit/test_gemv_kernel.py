@@ -16,8 +16,8 @@ from liteinfer.layers.quantization import Int8Weight
 # products here); rounded to bf16 they can then land one step apart, a relative 2^-8 to 2^-7 of the value.
 FP32_REORDERED = {"atol": 1e-5, "rtol": 1e-5}
 BF16_ONE_STEP = {"atol": 1e-5, "rtol": 2**-7}
-# Row lengths that take every path of a row's dot product: four vectors at a time (64 fp32/int8 or 128 bf16
-# values), then one at a time, then a masked tail shorter than a vector.
+# Row lengths that take every path of a row's dot product: four vectors at a time (AVX-512: 64 fp32/int8 or 128
+# bf16 values; AVX2: 32 fp32/int8), then one at a time, then a tail shorter than a vector.
 IN_FEATURES = st.integers(1, 300)
 
 
