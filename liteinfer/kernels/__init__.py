@@ -1,7 +1,7 @@
 """Kernels of our own, in C++, for what PyTorch has no fast op for on CPU: decode attention that reads the paged KV
-pool in place, float linears on weights packed for them, the one-row matmul of int8 weights (and of float ones where
-the packed kernel is not built), the greedy argmax of a step's logits, and a decoder layer's per-token operations
-(RMSNorm, rotary, gated activation, the K/V cache write) in one pass each for the steps that run eagerly.
+pool in place, float linears on weights packed for them, the one-row matmul of int8 and int4 weights (and of float
+ones where the packed kernel is not built), the greedy argmax of a step's logits, and a decoder layer's per-token
+operations (RMSNorm, rotary, gated activation, the K/V cache write) in one pass each for the steps that run eagerly.
 
 Contract: `load()` compiles the sources next to this file with the machine's C++ compiler (torch's extension
 builder; the first time only, then cached under TORCH_EXTENSIONS_DIR, one build per CPU, Python and torch, since
@@ -30,7 +30,9 @@ AVX-512 BF16 (fp32 and bf16) or with AVX2 and FMA (bf16 only): `packed_linear_av
 
 `gemv(x [1, in], weight [out, in] contiguous, scales [out] or None, bias [out] or None)` -> [1, out] =
 x (weight * scales)^T (+ bias), summed in fp32, in x's dtype (fp32 or bf16): a float weight is in x's dtype and
-takes no scales; an int8 weight takes one scale per row (layers/quantization.py's int8).
+takes no scales; an int8 weight takes one scale per row (layers/quantization.py's int8); an int4 weight is
+[out, in / 2] uint8 in `layers/quantization.py: gemv_int4_layout` and takes scales [out, in / 64, 2] holding
+(scale, zero) per group of 64 inputs, the weight being (level - 8) * scale + zero.
 
 `argmax(logits [rows, vocab] fp32 or bf16)` -> [rows] int64: the first index of each row's largest value, as
 `torch.argmax` gives it, except that NaN is skipped rather than taken as the largest.

@@ -1,6 +1,7 @@
 // y = x (W * scales)^T (+ b) for a single row x: the only product a decode step of one sequence has. W is float
-// (fp32 or bf16, as x) or int8 with one scale per row (layers/quantization.py's int8). Registered (CPU) as
-// torch.ops.liteinfer.gemv; liteinfer/kernels/__init__.py builds it and gives its contract.
+// (fp32 or bf16, as x), int8 with one scale per row, or int4 with a scale and a zero per group of 64 inputs
+// (layers/quantization.py's int8 and int4). Registered (CPU) as torch.ops.liteinfer.gemv;
+// liteinfer/kernels/__init__.py builds it and gives its contract.
 //
 // At one row a linear layer is a stream through W, bound by memory bandwidth. oneDNN's prepacked matmul reached
 // ~35-42 GB/s on SmolLM2's layers here; streaming W's rows in their checkpoint layout, each thread through its
@@ -125,12 +126,15 @@ struct Step<int8_t, float> {
 
 inline __m256 zero(__m256) { return _mm256_setzero_ps(); }
 inline __m256 add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+#define LITEINFER_GEMV_VECTOR
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)  // (AVX-512 CPUs have these too: the int4 row below uses them there)
 inline float reduce(__m256 v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
   return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
 }
-#define LITEINFER_GEMV_VECTOR
 #endif
 
 #if defined(LITEINFER_GEMV_VECTOR)
@@ -172,14 +176,70 @@ inline float dot_row<c10::BFloat16, c10::BFloat16>(const c10::BFloat16* w, const
 #endif
 #endif
 
-template <typename weight_t, typename x_t, typename out_t>
-void gemv_rows(const x_t* x, const weight_t* w, const out_t* scales, const out_t* bias, out_t* y, int64_t n,
-               int64_t k) {
-  // Each thread streams one contiguous share of W's rows.
+// int4 weights, in the layout layers/quantization.py packs them in for this kernel: each group of 64 inputs is 32
+// bytes read as eight 32-bit lanes, lane l holding the levels q of inputs l, 8 + l, ..., 56 + l in its nibbles from
+// the lowest up, so that one shift and one mask give eight consecutive inputs' levels (no byte shuffles); the
+// weight is (q - 8) * scale + zero, one scale and zero per group.
+constexpr int64_t kInt4Group = 64;
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The levels of eight consecutive inputs of a group, as fp32: nibble kShift / 4 of every lane (the top one needs no
+// mask). Shift, mask and convert are the loop's limit: ~12 inputs per ns per core on AMD Zen 3 with the data in cache.
+template <int kShift>
+inline __m256 int4_levels(__m256i lanes) {
+  const __m256i shifted = _mm256_srli_epi32(lanes, kShift);
+  return _mm256_cvtepi32_ps(kShift == 28 ? shifted : _mm256_and_si256(shifted, _mm256_set1_epi32(0xF)));
+}
+#endif
+
+// A row's sum of ((q - 8) s + z) x over its groups, as sum of s (q · x) + (z - 8 s) (sum of x): `x_sums` holds each
+// group's sum of x, `scales_and_zeros` the row's (s, z) pairs.
+template <typename scale_t>
+inline float dot_row_int4(const uint8_t* w, const float* x, const scale_t* scales_and_zeros, const float* x_sums,
+                          int64_t groups) {
+  float offset = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kInt4Group / 2));
+    const float* xg = x + g * kInt4Group;
+    // Two sums, each a chain of four; the next group's start independently, so groups overlap.
+    __m256 a0 = _mm256_mul_ps(int4_levels<0>(lanes), _mm256_loadu_ps(xg));
+    __m256 a1 = _mm256_mul_ps(int4_levels<4>(lanes), _mm256_loadu_ps(xg + 8));
+    a0 = _mm256_fmadd_ps(int4_levels<8>(lanes), _mm256_loadu_ps(xg + 16), a0);
+    a1 = _mm256_fmadd_ps(int4_levels<12>(lanes), _mm256_loadu_ps(xg + 24), a1);
+    a0 = _mm256_fmadd_ps(int4_levels<16>(lanes), _mm256_loadu_ps(xg + 32), a0);
+    a1 = _mm256_fmadd_ps(int4_levels<20>(lanes), _mm256_loadu_ps(xg + 40), a1);
+    a0 = _mm256_fmadd_ps(int4_levels<24>(lanes), _mm256_loadu_ps(xg + 48), a0);
+    a1 = _mm256_fmadd_ps(int4_levels<28>(lanes), _mm256_loadu_ps(xg + 56), a1);
+    const float scale = static_cast<float>(scales_and_zeros[2 * g]), zero = static_cast<float>(scales_and_zeros[2 * g + 1]);
+    total = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(scale), total);
+    offset += (zero - 8 * scale) * x_sums[g];
+  }
+  return reduce(total) + offset;
+#else
+  float total = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + g * kInt4Group / 2;
+    float dot = 0.f;
+    for (int64_t i = 0; i < kInt4Group; ++i) {  // input i: lane i % 8, nibble i / 8 (bytes little-endian)
+      const uint8_t byte = wg[4 * (i % 8) + i / 16];
+      dot += static_cast<float>(i / 8 % 2 ? byte >> 4 : byte & 0xF) * x[g * kInt4Group + i];
+    }
+    const float scale = static_cast<float>(scales_and_zeros[2 * g]), zero = static_cast<float>(scales_and_zeros[2 * g + 1]);
+    total += scale * dot;
+    offset += (zero - 8 * scale) * x_sums[g];
+  }
+  return total + offset;
+#endif
+}
+
+// y[row] = row_dot(row) (+ bias[row]) for rows 0..n, each thread streaming one contiguous share of W's rows.
+template <typename out_t, typename RowDot>
+void gemv_rows(const RowDot& row_dot, const out_t* bias, out_t* y, int64_t n) {
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const float dot = dot_row(w + row * k, x, k);
-      const float v = scales ? dot * static_cast<float>(scales[row]) : dot;
+      const float v = row_dot(row);
       y[row] = static_cast<out_t>(bias ? v + static_cast<float>(bias[row]) : v);
     }
   });
@@ -187,18 +247,25 @@ void gemv_rows(const x_t* x, const weight_t* w, const out_t* scales, const out_t
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
                 const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "expected x [1, in] and weight [out, in]");
+  const bool int8 = weight.scalar_type() == at::kChar, int4 = weight.scalar_type() == at::kByte;
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weight.dim() == 2 && x.size(1) == weight.size(1) * (int4 ? 2 : 1),
+              "expected x [1, in] and weight [out, in] (int4: [out, in / 2] bytes)");
   TORCH_CHECK(weight.is_contiguous(), "the weight must be contiguous");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "gemv takes fp32 or bf16 x");
-  const bool int8 = weight.scalar_type() == at::kChar;
-  TORCH_CHECK(int8 || x.scalar_type() == weight.scalar_type(), "x and a float weight must share a dtype");
-  TORCH_CHECK(int8 == scales.has_value(), "an int8 weight takes one scale per row, a float weight none");
-  for (const auto& t : {scales, bias}) {
-    TORCH_CHECK(!t || (t->dim() == 1 && t->size(0) == weight.size(0) && t->scalar_type() == x.scalar_type()),
+  TORCH_CHECK(int8 || int4 || x.scalar_type() == weight.scalar_type(), "x and a float weight must share a dtype");
+  const int64_t n = weight.size(0), k = x.size(1);
+  if (int4) {
+    TORCH_CHECK(k % kInt4Group == 0, "int4 weights come in groups of 64 inputs");
+    TORCH_CHECK(scales && scales->dim() == 3 && scales->size(0) == n && scales->size(1) == k / kInt4Group &&
+                    scales->size(2) == 2 && scales->scalar_type() == x.scalar_type(),
+                "an int4 weight takes [out, in / 64, 2] scales and zeros, in x's dtype");
+  } else {
+    TORCH_CHECK(int8 == scales.has_value(), "an int8 weight takes one scale per row, a float weight none");
+    TORCH_CHECK(!scales || (scales->dim() == 1 && scales->size(0) == n && scales->scalar_type() == x.scalar_type()),
                 "scales and bias must be [out], in x's dtype");
   }
-  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == x.scalar_type()),
+              "scales and bias must be [out], in x's dtype");
   const at::Tensor x_ = x.contiguous(), s = scales ? scales->contiguous() : at::Tensor(),
                    b = bias ? bias->contiguous() : at::Tensor();
   at::Tensor y = at::empty({1, n}, x.options());
@@ -206,13 +273,27 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
     using scalar_t = decltype(x_type);
     const scalar_t* s_data = s.defined() ? s.data_ptr<scalar_t>() : nullptr;
     const scalar_t* b_data = b.defined() ? b.data_ptr<scalar_t>() : nullptr;
-    if (int8) {  // x widened to fp32 once: every row reads it
-      std::vector<float> x_float(x_.data_ptr<scalar_t>(), x_.data_ptr<scalar_t>() + k);
-      gemv_rows<int8_t, float, scalar_t>(x_float.data(), weight.data_ptr<int8_t>(), s_data, b_data,
-                                         y.data_ptr<scalar_t>(), n, k);
+    scalar_t* y_data = y.data_ptr<scalar_t>();
+    if (int8 || int4) {  // x widened to fp32 once: every row reads it
+      const std::vector<float> x_float(x_.data_ptr<scalar_t>(), x_.data_ptr<scalar_t>() + k);
+      const float* xf = x_float.data();
+      if (int8) {
+        const int8_t* w = weight.data_ptr<int8_t>();
+        gemv_rows([&](int64_t row) { return dot_row(w + row * k, xf, k) * static_cast<float>(s_data[row]); },
+                  b_data, y_data, n);
+      } else {
+        const int64_t groups = k / kInt4Group;
+        std::vector<float> x_sums(groups, 0.f);
+        for (int64_t i = 0; i < k; ++i) x_sums[i / kInt4Group] += xf[i];
+        const uint8_t* w = weight.data_ptr<uint8_t>();
+        gemv_rows([&](int64_t row) {
+          return dot_row_int4(w + row * k / 2, xf, s_data + row * groups * 2, x_sums.data(), groups);
+        }, b_data, y_data, n);
+      }
     } else {
-      gemv_rows<scalar_t, scalar_t, scalar_t>(x_.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), nullptr, b_data,
-                                              y.data_ptr<scalar_t>(), n, k);
+      const scalar_t* w = weight.data_ptr<scalar_t>();
+      const scalar_t* xs = x_.data_ptr<scalar_t>();
+      gemv_rows([&](int64_t row) { return dot_row(w + row * k, xs, k); }, b_data, y_data, n);
     }
   };
   x.scalar_type() == at::kFloat ? run(float{}) : run(c10::BFloat16{});

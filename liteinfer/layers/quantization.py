@@ -2,9 +2,10 @@
 channel, or int4 in groups.
 
 Weights are quantized once loaded, from the loaded float weights (no calibration data); activations keep the
-model's dtype, and PyTorch's packed CPU kernels multiply them by the quantized weights directly. At batch 1 a
-decode step streams every weight from memory once, so fewer bytes per weight is fewer milliseconds per token;
-large batches are bound by arithmetic instead, where these kernels gain nothing (docs/benchmarks.md).
+model's dtype, and the kernels multiply them by the quantized weights directly: at one row (a single sequence's
+decode step) our GEMV (kernels/gemv.cpp), at several PyTorch's packed CPU kernels. At batch 1 a decode step
+streams every weight from memory once, so fewer bytes per weight is fewer milliseconds per token; large batches
+are bound by arithmetic instead, where these kernels gain nothing (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 from liteinfer.layers.embedding import LMHead
 from liteinfer.layers.linear import Linear, gemv_takes
 
-INT4_GROUP_SIZE = 64  # 128 would not divide SmolLM2's hidden size of 576
+INT4_GROUP_SIZE = 64  # 128 would not divide SmolLM2's hidden size of 576; the GEMV's int4 layout is built for 64
 _INT4_INNER_K_TILES = 2  # the packing's tile parameter: K must be a multiple of 16 * this
 
 
@@ -49,14 +50,24 @@ class Int8Weight:
 
 @dataclass
 class Int4Weight:
-    """W ≈ (q - 8) * scale + zero per group of INT4_GROUP_SIZE inputs, q in [0, 15] (asymmetric: min..max)."""
+    """W ≈ (q - 8) * scale + zero per group of INT4_GROUP_SIZE inputs, q in [0, 15] (asymmetric: min..max).
 
-    packed: torch.Tensor  # q in the CPU kernel's packed layout
+    The levels are held twice, in each kernel's layout: PyTorch's int4 matmul, for several rows, streams them at
+    ~5 GB/s on an AVX2 CPU (AMD Zen 3), so one row (a decode step of one sequence, where int4 is the latency option)
+    takes our GEMV's layout instead; both copies together weigh as much as int8's one.
+    """
+
+    packed: torch.Tensor  # q in PyTorch's packed layout
     scales_and_zeros: torch.Tensor  # [in / group, out, 2], in the activations' dtype
+    rows: torch.Tensor  # q in kernels/gemv.cpp's layout: [out, in / 2] bytes
+    rows_scales_and_zeros: torch.Tensor  # the same scales and zeros as [out, in / group, 2]
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
-        return weight.shape[1] % INT4_GROUP_SIZE == 0 and weight.shape[1] % (16 * _INT4_INNER_K_TILES) == 0
+        """Whether PyTorch's int4 packing takes the shape: whole groups of inputs, outputs in sixteens."""
+        out_features, in_features = weight.shape
+        return (in_features % INT4_GROUP_SIZE == 0 and in_features % (16 * _INT4_INNER_K_TILES) == 0
+                and out_features % 16 == 0)
 
     @staticmethod
     def levels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,10 +82,13 @@ class Int4Weight:
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Int4Weight:
         q, scales, zeros = cls.levels(weight)
-        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
-        return cls(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INT4_INNER_K_TILES), scales_and_zeros)
+        rows_scales_and_zeros = torch.stack([scales, zeros], dim=-1).to(weight.dtype)
+        return cls(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INT4_INNER_K_TILES),
+                   rows_scales_and_zeros.transpose(0, 1).contiguous(), gemv_int4_layout(q), rows_scales_and_zeros)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if gemv_takes(x):
+            return torch.ops.liteinfer.gemv(x, self.rows, self.rows_scales_and_zeros, None)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP_SIZE, self.scales_and_zeros)
 
     @classmethod
@@ -83,6 +97,17 @@ class Int4Weight:
         q, scales, zeros = cls.levels(weight)
         groups = q.view(q.shape[0], -1, INT4_GROUP_SIZE).float()
         return ((groups - 8) * scales[..., None] + zeros[..., None]).view(q.shape)
+
+
+def gemv_int4_layout(q: torch.Tensor) -> torch.Tensor:
+    """Levels q [out, in] (0..15) as kernels/gemv.cpp reads them: each group of 64 inputs as eight little-endian
+    32-bit lanes, lane l holding inputs l, 8 + l, ..., 56 + l from its lowest nibble up; so byte b of lane l holds
+    inputs 16 b + l (low nibble) and 16 b + 8 + l (high)."""
+    out_features, in_features = q.shape
+    # input 16 b + 8 h + l of a group: [out, group, byte b, low/high nibble h, lane l]
+    nibbles = q.to(torch.uint8).view(out_features, in_features // INT4_GROUP_SIZE, 4, 2, 8)
+    lane_bytes = nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)  # [out, group, byte, lane]
+    return lane_bytes.transpose(-1, -2).contiguous().view(out_features, in_features // 2)
 
 
 QUANTIZATION_METHODS = {"int8": Int8Weight, "int4": Int4Weight}

@@ -10,7 +10,7 @@ from torch.profiler import profile
 
 from liteinfer import kernels
 from liteinfer.layers.linear import linear
-from liteinfer.layers.quantization import Int8Weight
+from liteinfer.layers.quantization import INT4_GROUP_SIZE, Int4Weight, Int8Weight, gemv_int4_layout
 
 # The kernel sums a row in four interleaved parts: sums in a different order differ by ~1e-6 in fp32 (up to 300
 # products here); rounded to bf16 they can then land one step apart, a relative 2^-8 to 2^-7 of the value.
@@ -69,6 +69,39 @@ def test_gemv_on_int8_weights_matches_fp32_arithmetic(out_features, in_features,
     torch.testing.assert_close(out, expected, **tolerance)
 
 
+def int4_dequantized(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """(q - 8) * scale + zero per group, in fp32, from the scales and zeros as the kernel reads them."""
+    groups = q.view(q.shape[0], -1, INT4_GROUP_SIZE).float()
+    scale, zero = scales_and_zeros.float().unbind(-1)
+    return ((groups - 8) * scale[..., None] + zero[..., None]).view(q.shape)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    out_features=st.integers(1, 40),
+    groups=st.integers(1, 5),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_gemv_on_int4_weights_matches_fp32_arithmetic(out_features, groups, dtype, with_bias, seed):
+    assert kernels.load()
+    gen = torch.Generator().manual_seed(seed)
+    in_features = groups * INT4_GROUP_SIZE
+    x = torch.randn(1, in_features, generator=gen).to(dtype)
+    q, scales, zeros = Int4Weight.levels(torch.randn(out_features, in_features, generator=gen).to(dtype))
+    scales_and_zeros = torch.stack([scales, zeros], dim=-1).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
+
+    out = torch.ops.liteinfer.gemv(x, gemv_int4_layout(q), scales_and_zeros, bias)
+
+    expected = F.linear(x.float(), int4_dequantized(q, scales_and_zeros), None if bias is None else bias.float())
+    assert out.dtype == dtype and out.shape == (1, out_features)
+    # The kernel sums s (q · x) + (z - 8 s) (sum of x) per group: the same value, regrouped.
+    tolerance = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else BF16_ONE_STEP
+    torch.testing.assert_close(out, expected.to(dtype), **tolerance)
+
+
 def test_gemv_refuses_mismatched_inputs():
     assert kernels.load()
     gemv = torch.ops.liteinfer.gemv
@@ -92,6 +125,16 @@ def test_gemv_refuses_mismatched_inputs():
         gemv(x, int8, scales.bfloat16(), None)
     with pytest.raises(RuntimeError, match=r"must be \[out\]"):
         gemv(x, weight, None, torch.zeros(3))
+    int4, int4_scales = torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 1, 2)
+    gemv(torch.zeros(1, 64), int4, int4_scales, None)  # [out, in / 2] bytes against x [1, in]
+    with pytest.raises(RuntimeError, match=r"x \[1, in\] and weight \[out, in\]"):
+        gemv(torch.zeros(1, 32), int4, int4_scales, None)
+    with pytest.raises(RuntimeError, match="groups of 64"):
+        gemv(torch.zeros(1, 32), torch.zeros(4, 16, dtype=torch.uint8), int4_scales, None)
+    with pytest.raises(RuntimeError, match=r"\[out, in / 64, 2\] scales and zeros"):
+        gemv(torch.zeros(1, 64), int4, torch.ones(4, 2), None)
+    with pytest.raises(RuntimeError, match=r"\[out, in / 64, 2\] scales and zeros"):
+        gemv(torch.zeros(1, 64), int4, None, None)
 
 
 def ops_run(fn) -> set[str]:
@@ -115,3 +158,17 @@ def test_linear_takes_the_kernel_for_one_row_only(dtype):
     int8 = Int8Weight.from_float(weight)
     assert "liteinfer::gemv" in ops_run(lambda: int8(one_row))
     assert "liteinfer::gemv" not in ops_run(lambda: int8(rows))
+
+
+def test_int4_weight_holds_the_same_weight_for_one_row_and_for_several():
+    assert kernels.load()
+    torch.manual_seed(0)
+    weight = torch.randn(32, 3 * INT4_GROUP_SIZE) * 0.05
+    int4 = Int4Weight.from_float(weight)
+    one_row, rows = torch.randn(1, weight.shape[1]), torch.randn(3, weight.shape[1])
+
+    assert "liteinfer::gemv" in ops_run(lambda: int4(one_row))  # our layout
+    assert "liteinfer::gemv" not in ops_run(lambda: int4(rows))  # PyTorch's
+    torch.testing.assert_close(int4(one_row), int4(torch.cat([one_row, rows]))[:1], atol=1e-4, rtol=1e-5)
+    expected = one_row @ Int4Weight.dequantize_float(weight).T
+    torch.testing.assert_close(int4(one_row), expected, atol=1e-4, rtol=1e-5)

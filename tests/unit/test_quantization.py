@@ -33,7 +33,8 @@ def test_quantization_error_is_within_half_a_step(weight_cls, levels, weight):
 
 
 def test_quantize_linears_replaces_float_weights_and_skips_unfit_shapes():
-    model = torch.nn.Sequential(Linear(128, 64, bias=True), Linear(48, 64))  # 48 inputs: no whole int4 group
+    # 48 inputs: no whole int4 group; 24 outputs: not in sixteens
+    model = torch.nn.Sequential(Linear(128, 64, bias=True), Linear(48, 64), Linear(64, 24))
     for module in model:
         module.weight.data.normal_(0, 0.05)
         if module.bias is not None:
@@ -42,6 +43,6 @@ def test_quantize_linears_replaces_float_weights_and_skips_unfit_shapes():
     expected = model[0](x)
     assert quantize_linears(model, "int4") == 1
     assert model[0].weight is None and isinstance(model[0].quantized, Int4Weight)
-    assert model[1].weight is not None and model[1].quantized is None
+    assert all(m.weight is not None and m.quantized is None for m in model[1:])
     got = model[0](x)  # the bias is still added
     assert (got - expected).abs().max() < 0.1 * expected.abs().max()
