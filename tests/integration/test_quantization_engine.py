@@ -29,6 +29,17 @@ def test_int4_engine_quantizes_every_linear_and_generates(tiny_llama_dir):
     assert [len(out.outputs[0].token_ids) for out in outs] == [8, 8]
 
 
+def test_int4_one_sequence_and_a_batch_compute_the_same_weights(tiny_llama_dir):
+    # One sequence's decode steps take our GEMV's copy of the levels, a batch's PyTorch's packed copy.
+    llm = LLM(str(tiny_llama_dir), dtype="float32", quantization="int4")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    alone = llm.generate(PROMPTS[:1], params)[0].outputs[0]
+    batched = llm.generate(PROMPTS, params)[0].outputs[0]
+    assert alone.token_ids == batched.token_ids
+    for ours, theirs, token in zip(alone.logprobs, batched.logprobs, alone.token_ids):
+        assert abs(ours[token].logprob - theirs[token].logprob) < 1e-4
+
+
 def test_quantization_on_cuda_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="quantization"):
         LLM(str(tiny_llama_dir), quantization="int8", device="cuda")
