@@ -184,7 +184,7 @@ constexpr int64_t kInt4Group = 64;
 
 #if defined(__AVX2__) && defined(__FMA__)
 // The levels of eight consecutive inputs of a group, as fp32: nibble kShift / 4 of every lane (the top one needs no
-// mask). Shift, mask and convert are the loop's limit: ~12 inputs per ns per core on AMD Zen 3 with the data in cache.
+// mask). Shift, mask and convert are the loop's limit: ~12 inputs per ns per core on AMD Zen 3, data in cache.
 template <int kShift>
 inline __m256 int4_levels(__m256i lanes) {
   const __m256i shifted = _mm256_srli_epi32(lanes, kShift);
@@ -197,12 +197,19 @@ inline __m256 int4_levels(__m256i lanes) {
 template <typename scale_t>
 inline float dot_row_int4(const uint8_t* w, const float* x, const scale_t* scales_and_zeros, const float* x_sums,
                           int64_t groups) {
-  float offset = 0.f;
 #if defined(__AVX2__) && defined(__FMA__)
-  __m256 total = _mm256_setzero_ps();
+  __m256 total = _mm256_setzero_ps();  // the s (q · x) terms, reduced once at the end
+#else
+  float total = 0.f;
+#endif
+  float offset = 0.f;
   for (int64_t g = 0; g < groups; ++g) {
-    const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kInt4Group / 2));
+    const float scale = static_cast<float>(scales_and_zeros[2 * g]);
+    const float zero = static_cast<float>(scales_and_zeros[2 * g + 1]);
+    const uint8_t* wg = w + g * kInt4Group / 2;
     const float* xg = x + g * kInt4Group;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
     // Two sums, each a chain of four; the next group's start independently, so groups overlap.
     __m256 a0 = _mm256_mul_ps(int4_levels<0>(lanes), _mm256_loadu_ps(xg));
     __m256 a1 = _mm256_mul_ps(int4_levels<4>(lanes), _mm256_loadu_ps(xg + 8));
@@ -212,24 +219,20 @@ inline float dot_row_int4(const uint8_t* w, const float* x, const scale_t* scale
     a1 = _mm256_fmadd_ps(int4_levels<20>(lanes), _mm256_loadu_ps(xg + 40), a1);
     a0 = _mm256_fmadd_ps(int4_levels<24>(lanes), _mm256_loadu_ps(xg + 48), a0);
     a1 = _mm256_fmadd_ps(int4_levels<28>(lanes), _mm256_loadu_ps(xg + 56), a1);
-    const float scale = static_cast<float>(scales_and_zeros[2 * g]), zero = static_cast<float>(scales_and_zeros[2 * g + 1]);
     total = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(scale), total);
-    offset += (zero - 8 * scale) * x_sums[g];
-  }
-  return reduce(total) + offset;
 #else
-  float total = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* wg = w + g * kInt4Group / 2;
     float dot = 0.f;
     for (int64_t i = 0; i < kInt4Group; ++i) {  // input i: lane i % 8, nibble i / 8 (bytes little-endian)
       const uint8_t byte = wg[4 * (i % 8) + i / 16];
-      dot += static_cast<float>(i / 8 % 2 ? byte >> 4 : byte & 0xF) * x[g * kInt4Group + i];
+      dot += static_cast<float>(i / 8 % 2 ? byte >> 4 : byte & 0xF) * xg[i];
     }
-    const float scale = static_cast<float>(scales_and_zeros[2 * g]), zero = static_cast<float>(scales_and_zeros[2 * g + 1]);
     total += scale * dot;
+#endif
     offset += (zero - 8 * scale) * x_sums[g];
   }
+#if defined(__AVX2__) && defined(__FMA__)
+  return reduce(total) + offset;
+#else
   return total + offset;
 #endif
 }
