@@ -1,5 +1,5 @@
 """The one-row matmul kernel (liteinfer/kernels/gemv.cpp) against the same arithmetic in fp32, and
-`linear` / the int8 weights taking it for one-row inputs on CPU."""
+`linear` / the int8 and int4 weights taking it for one-row inputs on CPU."""
 
 import pytest
 import torch
