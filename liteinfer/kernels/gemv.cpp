@@ -210,7 +210,7 @@ inline float dot_row_int4(const uint8_t* w, const float* x, const scale_t* scale
     const float* xg = x + g * kInt4Group;
 #if defined(__AVX2__) && defined(__FMA__)
     const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
-    // Two sums, each a chain of four; the next group's start independently, so groups overlap.
+    // Two sums, each a chain of four; the next group's sums start afresh, so groups overlap.
     __m256 a0 = _mm256_mul_ps(int4_levels<0>(lanes), _mm256_loadu_ps(xg));
     __m256 a1 = _mm256_mul_ps(int4_levels<4>(lanes), _mm256_loadu_ps(xg + 8));
     a0 = _mm256_fmadd_ps(int4_levels<8>(lanes), _mm256_loadu_ps(xg + 16), a0);
