@@ -264,11 +264,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
                 "an int4 weight takes [out, in / 64, 2] scales and zeros, in x's dtype");
   } else {
     TORCH_CHECK(int8 == scales.has_value(), "an int8 weight takes one scale per row, a float weight none");
-    TORCH_CHECK(!scales || (scales->dim() == 1 && scales->size(0) == n && scales->scalar_type() == x.scalar_type()),
+  }
+  for (const auto& t : {int4 ? c10::optional<at::Tensor>() : scales, bias}) {  // (int4's scales are checked above)
+    TORCH_CHECK(!t || (t->dim() == 1 && t->size(0) == n && t->scalar_type() == x.scalar_type()),
                 "scales and bias must be [out], in x's dtype");
   }
-  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == x.scalar_type()),
-              "scales and bias must be [out], in x's dtype");
   const at::Tensor x_ = x.contiguous(), s = scales ? scales->contiguous() : at::Tensor(),
                    b = bias ? bias->contiguous() : at::Tensor();
   at::Tensor y = at::empty({1, n}, x.options());
