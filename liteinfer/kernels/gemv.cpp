@@ -178,8 +178,8 @@ inline float dot_row<c10::BFloat16, c10::BFloat16>(const c10::BFloat16* w, const
 
 // int4 weights, in the layout layers/quantization.py packs them in for this kernel: each group of 64 inputs is 32
 // bytes read as eight 32-bit lanes, lane l holding the levels q of inputs l, 8 + l, ..., 56 + l in its nibbles from
-// the lowest up, so that one shift and one mask give eight consecutive inputs' levels (no byte shuffles); the
-// weight is (q - 8) * scale + zero, one scale and zero per group.
+// the lowest up, so that one mask (a shift for the top nibble) gives eight consecutive inputs' levels (no byte
+// shuffles); the weight is (q - 8) * scale + zero, one scale and zero per group.
 constexpr int64_t kInt4Group = 64;
 
 #if defined(__AVX2__) && defined(__FMA__)
