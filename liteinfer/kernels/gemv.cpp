@@ -240,15 +240,16 @@ inline float dot_row_int4(const uint8_t* w, const float* x, const scale_t* scale
 #endif
 }
 
-// x as dot_row_int4 reads it: `scaled`, with AVX2 each input times 2^-kShift for the nibble int4_levels finds its
-// level in (powers of two: exact), as given otherwise; `sums`, each group's sum of x. One pass a group, which the
+// x (fp32 or bf16) as dot_row_int4 reads it, in fp32: `scaled`, with AVX2 each input times 2^-kShift for the nibble
+// int4_levels finds its level in (powers of two: exact), as given otherwise; `sums`, each group's sum of x. One pass a group, which the
 // compiler vectorises: the sums as one serial chain of adds plus a pass of their own for the scaled copy took ~5 us
 // of a ~70 us call in the engine, this ~1 us.
 struct Int4Inputs {
   std::vector<float> scaled, sums;
 };
 
-inline Int4Inputs int4_inputs(const float* x, int64_t k) {
+template <typename scalar_t>
+inline Int4Inputs int4_inputs(const scalar_t* x, int64_t k) {
 #if defined(__AVX2__) && defined(__FMA__)
   constexpr float kScales[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.f};  // top: shifted
 #else
@@ -256,12 +257,13 @@ inline Int4Inputs int4_inputs(const float* x, int64_t k) {
 #endif
   Int4Inputs inputs{std::vector<float>(k), std::vector<float>(k / kInt4Group)};
   for (int64_t g = 0; g < k / kInt4Group; ++g) {
-    const float* xg = x + g * kInt4Group;
+    const scalar_t* xg = x + g * kInt4Group;
     float* scaled = inputs.scaled.data() + g * kInt4Group;
     float sum = 0.f;
     for (int64_t i = 0; i < kInt4Group; ++i) {
-      sum += xg[i];
-      scaled[i] = xg[i] * kScales[i / 8];
+      const float xi = static_cast<float>(xg[i]);
+      sum += xi;
+      scaled[i] = xi * kScales[i / 8];
     }
     inputs.sums[g] = sum;
   }
@@ -308,25 +310,23 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
     const scalar_t* s_data = s.defined() ? s.data_ptr<scalar_t>() : nullptr;
     const scalar_t* b_data = b.defined() ? b.data_ptr<scalar_t>() : nullptr;
     scalar_t* y_data = y.data_ptr<scalar_t>();
-    if (int8 || int4) {  // x widened to fp32 once: every row reads it
-      const std::vector<float> x_float(x_.data_ptr<scalar_t>(), x_.data_ptr<scalar_t>() + k);
+    const scalar_t* xs = x_.data_ptr<scalar_t>();
+    if (int8) {  // x widened to fp32 once: every row reads it
+      const std::vector<float> x_float(xs, xs + k);
       const float* xf = x_float.data();
-      if (int8) {
-        const int8_t* w = weight.data_ptr<int8_t>();
-        gemv_rows([&](int64_t row) { return dot_row(w + row * k, xf, k) * static_cast<float>(s_data[row]); },
-                  b_data, y_data, n);
-      } else {
-        const int64_t groups = k / kInt4Group;
-        const Int4Inputs inputs = int4_inputs(xf, k);
-        const uint8_t* w = weight.data_ptr<uint8_t>();
-        gemv_rows([&](int64_t row) {
-          return dot_row_int4(w + row * k / 2, inputs.scaled.data(), s_data + row * groups * 2, inputs.sums.data(),
-                              groups);
-        }, b_data, y_data, n);
-      }
+      const int8_t* w = weight.data_ptr<int8_t>();
+      gemv_rows([&](int64_t row) { return dot_row(w + row * k, xf, k) * static_cast<float>(s_data[row]); },
+                b_data, y_data, n);
+    } else if (int4) {  // x widened to fp32 as it is scaled, once
+      const int64_t groups = k / kInt4Group;
+      const Int4Inputs inputs = int4_inputs(xs, k);
+      const uint8_t* w = weight.data_ptr<uint8_t>();
+      gemv_rows([&](int64_t row) {
+        return dot_row_int4(w + row * k / 2, inputs.scaled.data(), s_data + row * groups * 2, inputs.sums.data(),
+                            groups);
+      }, b_data, y_data, n);
     } else {
       const scalar_t* w = weight.data_ptr<scalar_t>();
-      const scalar_t* xs = x_.data_ptr<scalar_t>();
       gemv_rows([&](int64_t row) { return dot_row(w + row * k, xs, k); }, b_data, y_data, n);
     }
   };
