@@ -16,7 +16,7 @@ from liteinfer.layers.attention import PROMPT_KERNEL_MAX_KEYS
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DTYPES = st.sampled_from(list(TOLERANCE))
 KV_HEADS, GROUPS = st.integers(1, 3), st.integers(1, 6)  # group: query heads per KV head (5, 6: past the 4 of
-# 64-wide heads whose sums the decode kernel keeps in registers at once)
+# 64-wide heads whose sums the AVX-512 decode kernel keeps in registers at once; AVX2's passes of 3 heads: 3 + 2, 3 + 3)
 needs_prompt_kernel = pytest.mark.skipif(not (kernels.load() and kernels.prefill_available()),
                                          reason="the prompt kernel is built for AVX-512 CPUs only")
 
