@@ -129,6 +129,10 @@ inline __m256 sum_lanes_8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
+// Where the kernel takes these forms: head sizes fixed at compile time, in whole 32-column chunks.
+template <typename scalar_t, int64_t kDim>
+constexpr bool kDecodeAvx2 = kDim > 0 && kDim % 32 == 0 && kWidens8<scalar_t>;
+
 // The two passes below take a group's query heads up to three at a time, the count fixed at compile time: with a
 // run-time count and a branch per head the compiler kept the sums in memory and the kernel ran ~1.4x slower.
 constexpr int64_t kHeadsPerPass = 3;
@@ -249,7 +253,7 @@ void score_rows(const Query<scalar_t, kDim>* query, int64_t group, int64_t dim, 
     }
   }
 #elif defined(LITEINFER_DECODE_AVX2)
-  if constexpr (kDim > 0 && kDim % 32 == 0 && kWidens8<scalar_t>) {
+  if constexpr (kDecodeAvx2<scalar_t, kDim>) {
     for (; j < n; j += 8)
       for_head_passes(group, [&](auto heads, int64_t g0) {
         score_8_rows<heads(), kDim>(query + g0 * kDim, rows + j * kDim, std::min<int64_t>(8, n - j), scale,
@@ -396,31 +400,29 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
             for (int64_t c = 0; c < kVecs; ++c) _mm512_storeu_ps(acc.data() + (g0 + h) * kDim + c * 16, a[h][c]);
         }
       } else
-#elif defined(LITEINFER_DECODE_AVX2)
-      if constexpr (kDim > 0 && kDim % 32 == 0 && kWidens8<scalar_t>) {
-        // Values a block at a time, each row widened once for up to three heads.
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t start = first_block; start < num_keys; start += block_size) {
-          const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
-          const scalar_t* rows = block_of(v_data, t, start) + (lo - start) * kDim;
-          for_head_passes(group, [&](auto heads, int64_t g0) {
-            add_weighted_rows<heads(), kDim>(scores.data() + g0 * span + (lo - first), span, rows, hi - lo,
-                                             acc.data() + g0 * kDim);
-          });
-        }
-      } else
 #endif
       {
-        // Values a block at a time: its rows widened once, then each query head sums them.
+        // Values a block at a time: its rows widened once (in registers with AVX2), then each query head sums them.
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t start = first_block; start < num_keys; start += block_size) {
           const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
-          to_float(block_of(v_data, t, start) + (lo - start) * dim, vblock.data(), (hi - lo) * dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const float* p = scores.data() + g * span + (lo - first);
-            float* ag = acc.data() + g * dim;
-            for (int64_t r = 0; r < hi - lo; ++r)
-              for (int64_t d = 0; d < dim; ++d) ag[d] += p[r] * vblock[r * dim + d];
+#if defined(LITEINFER_DECODE_AVX2)
+          if constexpr (kDecodeAvx2<scalar_t, kDim>) {
+            for_head_passes(group, [&](auto heads, int64_t g0) {
+              add_weighted_rows<heads(), kDim>(scores.data() + g0 * span + (lo - first), span,
+                                               block_of(v_data, t, start) + (lo - start) * kDim, hi - lo,
+                                               acc.data() + g0 * kDim);
+            });
+          } else
+#endif
+          {
+            to_float(block_of(v_data, t, start) + (lo - start) * dim, vblock.data(), (hi - lo) * dim);
+            for (int64_t g = 0; g < group; ++g) {
+              const float* p = scores.data() + g * span + (lo - first);
+              float* ag = acc.data() + g * dim;
+              for (int64_t r = 0; r < hi - lo; ++r)
+                for (int64_t d = 0; d < dim; ++d) ag[d] += p[r] * vblock[r * dim + d];
+            }
           }
         }
       }
