@@ -14,6 +14,12 @@ exactly its forced number of tokens (a row that did not fails, and the command e
 benchmarks/results/compare-<time>.json with the git revision, the machine and each workload's hash, next to a
 self-contained HTML dashboard and a PNG of the headline chart. `--compare NAME` adds each row's ratios to engine
 NAME's row of the same workload (this ÷ baseline: above 1 is better for throughput, worse for latency and memory).
+
+`--rounds N` measures every engine N times, the engines taking turns within each round (A, B, C, A, B, C, ...), so
+that a slow minute of the machine falls on all of them alike: a row then holds each metric's median over its rounds,
+and each ratio is the median of the N ratios taken within a round (the report adds their range). A CPU shared with
+other tenants moves by tens of percent from minute to minute, more than a single pass can tell two close engines
+apart by.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import json
 import multiprocessing
 import os
 import shlex
+import statistics
 import sys
 import traceback
 from concurrent.futures import ProcessPoolExecutor
@@ -107,24 +114,55 @@ def ordinary_token_ids(model: str) -> list[int]:
     return [i for i in range(tokenizer.vocab_size) if i not in special]
 
 
+def combine_rounds(rounds: list[dict]) -> dict:
+    """One engine's rows of one workload, a row a round, as one row: each metric's median over the rounds, with every
+    round's metrics under "rounds". A round that did not run ok stands for the engine instead."""
+    for row in rounds:
+        if row["status"] != "ok":
+            return row
+    per_round = [row["metrics"] for row in rounds]
+    medians = {key: statistics.median(metrics[key] for metrics in per_round) for key in per_round[0]}
+    return rounds[0] | {"metrics": medians, "rounds": per_round}
+
+
+def _median_ratio(values: list[float | None]) -> float | None:
+    return None if None in values else statistics.median(values)
+
+
 def add_ratios(rows: list[dict], baseline: str) -> None:
-    """Each row's metrics divided by the baseline's, and how many of its greedy outputs are the baseline's token
-    for token (a check that the engines compute the same model; lower precisions legitimately flip near-ties)."""
+    """Each row's metrics divided by the baseline's, round by round (the baseline's measurement of the same round),
+    as the median of those ratios ("vs_baseline") and each round's ("vs_baseline_rounds"); and how many of its
+    greedy outputs are the baseline's token for token (a check that the engines compute the same model; lower
+    precisions legitimately flip near-ties)."""
     base = {row["workload"]: row for row in rows if row["engine"] == baseline and row["status"] == "ok"}
     for row in rows:
         if row["status"] == "ok" and row["workload"] in base:
             other = base[row["workload"]]
-            row["vs_baseline"] = ratios(row["metrics"], other["metrics"])
+            per_round = [ratios(mine, theirs) for mine, theirs in
+                         zip(row.get("rounds", [row["metrics"]]), other.get("rounds", [other["metrics"]]))]
+            row["vs_baseline_rounds"] = per_round
+            row["vs_baseline"] = {key: _median_ratio([r[key] for r in per_round]) for key in per_round[0]}
             row["same_outputs_as_baseline"] = sum(
                 a["token_ids"] == b["token_ids"] for a, b in zip(row["requests"], other["requests"]))
+
+
+def _ratio_cell(row: dict, key: str) -> str:
+    """The median ratio, and with several rounds the range of the rounds' own ratios."""
+    median = row.get("vs_baseline", {}).get(key)
+    if median is None:
+        return "–"
+    per_round = [r[key] for r in row.get("vs_baseline_rounds", [])]
+    return f"{median:.2f}" + (f" ({min(per_round):.2f}–{max(per_round):.2f})" if len(per_round) > 1 else "")
 
 
 def report(record: dict) -> str:
     """Markdown tables, one per workload."""
     baseline = record["baseline"]
     ratio_names = list(REPORT_RATIOS.values()) if baseline else []
+    rounds = record.get("rounds", 1)
     lines = [f"{record['date']}, revision {record['revision']}{' (uncommitted changes)' if record['dirty'] else ''}"
-             f", {record['machine']['cpu']} ({record['machine']['cores']} cores), {record['threads']} threads",
+             f", {record['machine']['cpu']} ({record['machine']['cores']} cores), {record['threads']} threads"
+             + (f"; medians of {rounds} rounds, the engines taking turns in each" if rounds > 1 else ""),
              f"model {record['model']}" + (f"; ratios are this ÷ {baseline}" if baseline else "")]
     for name, workload in record["workloads"].items():
         lines += ["", f"### {workload['description']} (workload {workload['hash']})", "",
@@ -142,8 +180,7 @@ def report(record: dict) -> str:
                      f"{m['itl_p50_ms']:.1f} / {m['itl_p99_ms']:.1f}", f"{m['e2e_p50_ms']:.0f} / {m['e2e_p99_ms']:.0f}",
                      f"{m['peak_memory_mib']:.0f}"]
             if baseline:
-                vs = row.get("vs_baseline", {})
-                cells += [f"{vs[key]:.2f}" if vs.get(key) is not None else "–" for key in REPORT_RATIOS]
+                cells += [_ratio_cell(row, key) for key in REPORT_RATIOS]
                 cells.append(f"{row.get('same_outputs_as_baseline', '–')}/{len(row['requests'])}")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -170,6 +207,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=psutil.cpu_count(logical=False) or os.cpu_count(),
                         help="CPU threads per engine (default: the physical cores, %(default)s)")
     parser.add_argument("--compare", metavar="NAME", help="baseline engine name, e.g. transformers-bf16-32")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure each engine this many times, the engines taking turns (default: %(default)s)")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
 
@@ -182,6 +221,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"engine names must be distinct, got {names}")
     if args.compare and args.compare not in names:
         parser.error(f"--compare {args.compare!r} is not one of the engines: {', '.join(names)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     args.workload_names = args.workloads.split(",")
     if unknown := set(args.workload_names) - set(WORKLOAD_NAMES):
         parser.error(f"unknown workload(s) {sorted(unknown)}; choose from {', '.join(WORKLOAD_NAMES)}")
@@ -202,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         "params": asdict(args.params),
         "warmup": {"rounds": args.warmup_rounds, "output_len": args.warmup_output_len},
         "baseline": args.compare,
+        "rounds": args.rounds,
         "workloads": {},
         "rows": [],
     }
@@ -211,12 +253,18 @@ def main(argv: list[str] | None = None) -> int:
         record["workloads"][name] = {"hash": workload.hash, "description": workload.describe(),
                                      "prompt_tokens": workload.num_prompt_tokens,
                                      "output_tokens": workload.num_output_tokens}
-        for spec in args.specs:
-            print(f"{spec.name} / {name} ...", file=sys.stderr, flush=True)
-            row = run_isolated(spec, workload, warmup, args)
-            if row["status"] != "ok":
-                print(f"{row['status'].upper()} {spec.name} / {name}: {row['error']}", file=sys.stderr, flush=True)
-            record["rows"].append(row)
+        rounds: dict[str, list[dict]] = {spec.name: [] for spec in args.specs}
+        for number in range(1, args.rounds + 1):
+            for spec in args.specs:
+                if rounds[spec.name] and rounds[spec.name][-1]["status"] != "ok":
+                    continue  # skipped or failed once: the row says why, and later rounds would only repeat it
+                print(f"{spec.name} / {name}" + (f" (round {number} of {args.rounds})" if args.rounds > 1 else "")
+                      + " ...", file=sys.stderr, flush=True)
+                row = run_isolated(spec, workload, warmup, args)
+                if row["status"] != "ok":
+                    print(f"{row['status'].upper()} {spec.name} / {name}: {row['error']}", file=sys.stderr, flush=True)
+                rounds[spec.name].append(row)
+        record["rows"] += [combine_rounds(engine_rounds) for engine_rounds in rounds.values()]
     if args.compare:
         add_ratios(record["rows"], args.compare)
 

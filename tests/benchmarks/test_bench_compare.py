@@ -17,7 +17,7 @@ def test_compare_smoke_run(tiny_llama_dir, tmp_path):
     command = [sys.executable, "-m", "benchmarks.compare", "--model", str(tiny_llama_dir),
                "--engines", "liteinfer:fp32,transformers:fp32:1,vllm:bf16", "--workloads", "throughput",
                "--num-prompts", "2", "--output-len", "4", "--compare", "transformers-fp32-1",
-               "--output-dir", str(tmp_path)]
+               "--rounds", "2", "--output-dir", str(tmp_path)]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
 
@@ -28,6 +28,7 @@ def test_compare_smoke_run(tiny_llama_dir, tmp_path):
     assert {"date", "revision", "dirty", "machine", "command", "model", "params", "workloads", "rows"} <= set(record)
     assert {"cpu", "cores", "memory_gib"} <= set(record["machine"])
     workload_hash = record["workloads"]["throughput"]["hash"]
+    assert record["rounds"] == 2 and len(record["rows"]) == 3  # one row an engine, its rounds inside
     rows = {row["engine"]: row for row in record["rows"]}
     for name in ("liteinfer-fp32", "transformers-fp32-1"):
         row = rows[name]
@@ -35,12 +36,14 @@ def test_compare_smoke_run(tiny_llama_dir, tmp_path):
         assert set(row["metrics"]) == ROW_METRICS and row["metrics"]["output_tokens_per_s"] > 0
         assert row["memory"] == "rss" and row["timing"]
         assert [len(r["token_ids"]) for r in row["requests"]] == [4, 4]
+        assert len(row["rounds"]) == 2 and len(row["vs_baseline_rounds"]) == 2
     # Same weights, fp32, greedy: the two engines agree token for token.
     assert rows["liteinfer-fp32"]["same_outputs_as_baseline"] == 2
     assert rows["transformers-fp32-1"]["vs_baseline"]["output_tokens_per_s"] == 1.0
     if rows["vllm-bf16"]["status"] == "skipped":
         assert "not installed" in rows["vllm-bf16"]["error"]
-    assert "| liteinfer-fp32 |" in done.stdout
+    assert "| liteinfer-fp32 |" in done.stdout and "medians of 2 rounds" in done.stdout
+    assert done.stderr.count("vllm-bf16 / throughput (round") == 1  # skipped once, not asked again
 
 
 @pytest.mark.slow

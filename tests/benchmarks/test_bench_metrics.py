@@ -135,3 +135,27 @@ def test_compare_report_has_ratios_and_output_agreement():
     text = compare.report(record)
     assert "| fast | 1.00 | 250.0 | 500.0 | 10 / 20 | 5.0 / 6.0 | 50 / 60 | 100 | 2.50 |" in text
     assert text.count("| 1/2 |") == 1 and "| gone | skipped: gone is not installed |" in text
+
+
+def test_rounds_give_medians_and_ratios_taken_within_each_round():
+    """Three rounds in which the machine's pace drifts: each ratio is taken within a round, then the median."""
+    def rounds_of(engine, tok_s):
+        return [_row(engine, "latency", v, [[1, 2]]) for v in tok_s]
+
+    base = compare.combine_rounds(rounds_of("base", [100.0, 60.0, 80.0]))
+    fast = compare.combine_rounds(rounds_of("fast", [110.0, 72.0, 84.0]))
+    assert base["metrics"]["output_tokens_per_s"] == 80.0 and len(base["rounds"]) == 3
+    failed = {"engine": "flaky", "workload": "latency", "status": "failed", "error": "RuntimeError: boom"}
+    assert compare.combine_rounds([_row("flaky", "latency", 1.0, [[1]]), failed]) is failed
+
+    rows = [base, fast]
+    compare.add_ratios(rows, "base")
+    assert [r["output_tokens_per_s"] for r in fast["vs_baseline_rounds"]] == pytest.approx([1.1, 1.2, 1.05])
+    # The median of the rounds' ratios (1.10), not the ratio of the medians (84 / 80 = 1.05).
+    assert fast["vs_baseline"]["output_tokens_per_s"] == pytest.approx(1.1)
+    record = {"date": "today", "revision": "abc", "dirty": False, "threads": 2, "model": "m", "baseline": "base",
+              "rounds": 3, "machine": {"cpu": "cpu", "cores": 2},
+              "workloads": {"latency": {"description": "latency: 1 request", "hash": "h"}}, "rows": rows}
+    text = compare.report(record)
+    assert "medians of 3 rounds" in text
+    assert "| fast | 1.00 | 84.0 | 168.0 | 10 / 20 | 5.0 / 6.0 | 50 / 60 | 100 | 1.10 (1.05–1.20) |" in text
