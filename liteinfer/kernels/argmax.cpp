@@ -5,7 +5,7 @@
 // PyTorch's CPU argmax compares one element at a time (~35 µs per 49k-token row here, ~5x that in bf16); the sampler
 // ran it on every step's logits, behind a widening copy of bf16 ones. One pass of 16-lane compares reads a row at
 // memory speed, bf16 widened in registers (docs/benchmarks.md); CPUs with AVX2 and no AVX-512 compare 8 lanes at a
-// time (~84 µs a 49k-token bf16 row in the portable loop on an AMD Zen 3, ~10 in 8 lanes).
+// time (a 49k-token bf16 row 42 µs in the portable loop on an AMD Zen 3, 13 in 8 lanes).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
