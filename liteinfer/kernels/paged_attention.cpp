@@ -11,6 +11,7 @@
 #endif
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -25,7 +26,10 @@ inline int64_t block_start(int64_t block, int64_t kv_head, int64_t kv_heads, int
   return (block * kv_heads + kv_head) * block_size * dim;
 }
 
-// Widens a cache row to fp32. bf16 is spelled as the bit shift it is, so that the compiler vectorises it.
+// Widens a cache row to fp32. bf16 is spelled as the bit shift it is, so that the compiler vectorises it; the bits
+// become a float through std::bit_cast. (Written through a uint32_t pointer into the float buffer, they broke strict
+// aliasing: a change elsewhere in the file once moved the inlining so that the portable build's scores read a key's
+// widened row before it was written.)
 template <typename scalar_t>
 inline void to_float(const scalar_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
@@ -33,9 +37,7 @@ inline void to_float(const scalar_t* src, float* dst, int64_t n) {
 
 template <>
 inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* wide = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) wide[i] = static_cast<uint32_t>(bits[i]) << 16;
+  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(static_cast<uint32_t>(src[i].x) << 16);
 }
 
 // a·b over n floats. Compilers reduce an auto-vectorised sum one lane at a time (a chain of 16 scalar adds per key:
