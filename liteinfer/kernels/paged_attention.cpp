@@ -26,10 +26,9 @@ inline int64_t block_start(int64_t block, int64_t kv_head, int64_t kv_heads, int
   return (block * kv_heads + kv_head) * block_size * dim;
 }
 
-// Widens a cache row to fp32. bf16 is spelled as the bit shift it is, so that the compiler vectorises it; the bits
-// become a float through std::bit_cast. (Written through a uint32_t pointer into the float buffer, they broke strict
-// aliasing: a change elsewhere in the file once moved the inlining so that the portable build's scores read a key's
-// widened row before it was written.)
+// Widens a cache row to fp32. bf16 is spelled as the bit shift it is, so that the compiler vectorises it, and the
+// bits become floats through std::bit_cast: stored through a uint32_t pointer into the float buffer they would
+// break strict aliasing, and the compiler may then read the buffer before the stores.
 template <typename scalar_t>
 inline void to_float(const scalar_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
