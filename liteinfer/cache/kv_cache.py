@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from liteinfer import kernels
+from liteinfer import huge_pages, kernels
 from liteinfer.layers import PagedAttention
 
 
@@ -23,8 +23,8 @@ class KVCache:
         # masked-out (probability 0) slots by their values, and 0 * NaN from uninitialised memory would poison the
         # output. The CPU kernel never reads past a sequence's position.
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.device = device
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -42,3 +42,11 @@ class KVCache:
             attn.k_cache, attn.v_cache = k, v
         if self.device.type == "cpu":
             kernels.load()  # the decode attention that reads these pools where they lie
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool; on a CPU on huge pages (liteinfer/huge_pages.py), as the weights are: decode attention streams
+    through a sequence's blocks."""
+    if device.type == "cpu":
+        return huge_pages.zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)

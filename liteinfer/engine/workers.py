@@ -24,7 +24,8 @@ import contextlib
 import signal
 import traceback
 import weakref
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, is_dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 
@@ -34,6 +35,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from transformers import PretrainedConfig
 
+from liteinfer import huge_pages
 from liteinfer.cache import KVCache
 from liteinfer.distributed import TensorParallelGroup
 from liteinfer.engine.step_inputs import StepInputs
@@ -77,6 +79,8 @@ class ShardSpec:
         if self.quantization is not None:
             quantize_linears(model, self.quantization)
         pack_weights(model, onednn)
+        if device.type == "cpu":
+            huge_pages.move(model_tensors(model))
         return model
 
     def kv_cache_dims(self, tp: TensorParallelGroup) -> tuple[int, int, int]:
@@ -95,6 +99,16 @@ def pack_weights(model: nn.Module, onednn: bool = True) -> None:
     """Pack the float weights that quantization left (all of them without it) for the fastest kernels
     (`layers/linear.py: pack_linears`; with onednn=False, only those torch.compile can trace)."""
     pack_linears(model, (Linear, LMHead), onednn)
+
+
+def model_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    """Every tensor the forward reads: parameters, buffers and the fields of quantized weights."""
+    for module in model.modules():
+        yield from module.parameters(recurse=False)
+        yield from module.buffers(recurse=False)
+        quantized = getattr(module, "quantized", None)
+        if is_dataclass(quantized):
+            yield from (value for value in vars(quantized).values() if isinstance(value, torch.Tensor))
 
 
 def run_step(model: nn.Module, step: StepInputs) -> torch.Tensor | None:
