@@ -76,6 +76,7 @@ def move(tensors: Iterable[torch.Tensor]) -> int:
                 tensor.set_(region.untyped_storage(), byte_offset // tensor.element_size(), tensor.size(),
                             tensor.stride())
             del storage, users
+    _return_freed_memory()
     return total
 
 
@@ -89,3 +90,12 @@ def _advise(address: int, length: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE) != 0:
         logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d): 4 KiB pages", ctypes.get_errno())
+
+
+def _return_freed_memory() -> None:
+    """Hand the moved tensors' old memory back to the OS: glibc keeps freed blocks below its mmap threshold (up to
+    32 MiB) in the heap, where they would stay resident (SmolLM2 int8: ~170 MiB more in every later step)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None)
+        if hasattr(libc, "malloc_trim"):  # glibc; musl has none
+            libc.malloc_trim(0)
