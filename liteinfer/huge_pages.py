@@ -95,7 +95,8 @@ def _advise(address: int, length: int) -> None:
 
 def _return_freed_memory() -> None:
     """Hand the moved tensors' old memory back to the OS: glibc keeps freed blocks below its mmap threshold (up to
-    32 MiB) in the heap, where they would stay resident (SmolLM2 int8: ~170 MiB more in every later step)."""
+    32 MiB) in the heap, where they would stay resident (SmolLM2 int8, eager: 2,982 against 2,705 MiB after
+    start-up)."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None)
         if hasattr(libc, "malloc_trim"):  # glibc; musl has none

@@ -266,7 +266,7 @@ inline Int4Inputs int4_inputs(const scalar_t* x, int64_t k) {
 // = the group's largest |x| / 32767), each group's sum of levels times weights taken by vpmaddwd in int32 (exact:
 // at most 64 * 127 * 32767 < 2^31), then scaled. Sixteen weights a multiply, where widening them to fp32 took two
 // conversions per eight; the rounding of x is a relative 2^-16 of its group's largest value, below bf16's own
-// (2^-9) and 2^9 times below the weights' (2^-8 of their row's largest). SmolLM2's int8 linears streamed 6-15%
+// (2^-9) and 2^8 times below the weights' (2^-8 of their row's largest). SmolLM2's int8 linears streamed 6-15%
 // faster from memory, ~35% faster from cache (docs/benchmarks.md). AVX-512 CPUs keep the fp32 step above, measured
 // there and not here.
 #define LITEINFER_GEMV_INT16_INPUTS
