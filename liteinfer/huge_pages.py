@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 _ALIGNMENT = 64  # each tensor's start in a shared region: PyTorch's own CPU alignment, a cache line
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # madvise, malloc_trim
 
 
 def empty(nbytes: int) -> torch.Tensor:
@@ -60,7 +61,7 @@ def move(tensors: Iterable[torch.Tensor]) -> int:
     offsets, total = {}, 0
     for pointer, (storage, _) in storages.items():
         offsets[pointer] = total
-        total += _round_up(storage.nbytes(), _ALIGNMENT)
+        total += -(-storage.nbytes() // _ALIGNMENT) * _ALIGNMENT
     if total < HUGE_PAGE:  # not worth a huge page: left as they are
         return 0
     region = empty(total)
@@ -81,15 +82,8 @@ def move(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def _advise(address: int, length: int) -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE) != 0:
+    if _libc is not None and _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE):
         logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d): 4 KiB pages", ctypes.get_errno())
 
 
@@ -97,7 +91,5 @@ def _return_freed_memory() -> None:
     """Hand the moved tensors' old memory back to the OS: glibc keeps freed blocks below its mmap threshold (up to
     32 MiB) in the heap, where they would stay resident (SmolLM2 int8, eager: 2,982 against 2,705 MiB after
     start-up)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None)
-        if hasattr(libc, "malloc_trim"):  # glibc; musl has none
-            libc.malloc_trim(0)
+    if _libc is not None and hasattr(_libc, "malloc_trim"):  # glibc; musl has none
+        _libc.malloc_trim(0)
