@@ -29,7 +29,7 @@ inline float dot_row(const weight_t* w, const x_t* x, int64_t k) {
   return sum;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // the int8 tail's masked load: BW+VL
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (BW: bf16's masked tail)
 // One multiply-add step of a row's dot product, per pair of dtypes: `width` weights at w against x, summed into
 // an fp32 vector; `tail` does the same for the last count < width under a mask (masking every load ran at half the
 // speed, so the loop's loads are plain).
@@ -46,22 +46,6 @@ struct Step<float, float> {
   static __m512 tail(__m512 acc, const float* w, const float* x, int64_t count) {
     const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
     return _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, w), _mm512_maskz_loadu_ps(mask, x), acc);
-  }
-};
-
-// int8 weights sign-extended and converted to fp32, against x widened to fp32 once per call.
-template <>
-struct Step<int8_t, float> {
-  using Vec = __m512;
-  static constexpr int64_t width = 16;
-  static __m512 full(__m512 acc, const int8_t* w, const float* x) {
-    const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-    return _mm512_fmadd_ps(wv, _mm512_loadu_ps(x), acc);
-  }
-  static __m512 tail(__m512 acc, const int8_t* w, const float* x, int64_t count) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
-    const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w)));
-    return _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x), acc);
   }
 };
 
@@ -85,9 +69,8 @@ inline __m512 zero(__m512) { return _mm512_setzero_ps(); }
 inline __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
 inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
 #define LITEINFER_GEMV_VECTOR
-#define LITEINFER_GEMV_AVX512
 #elif defined(__AVX2__) && defined(__FMA__)
-// The same steps in 8 lanes (AVX2 CPUs; bf16 keeps the portable loop there, int8 takes dot_row_int8 below). With no
+// The same steps in 8 lanes (AVX2 CPUs; bf16 keeps the portable loop there). With no
 // masked byte loads, a tail is copied into zeroed registers' worth of memory first.
 template <typename weight_t, typename x_t>
 struct Step;
@@ -118,7 +101,7 @@ inline __m256 add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
 #define LITEINFER_GEMV_VECTOR
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)  // (AVX-512 CPUs have these too: the int4 row below uses them there)
+#if defined(__AVX2__) && defined(__FMA__)  // (AVX-512 CPUs have these too: the quantized rows below use them)
 inline float reduce(__m256 v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
@@ -153,12 +136,6 @@ template <>
 inline float dot_row<float, float>(const float* w, const float* x, int64_t k) {
   return dot_row_vector(w, x, k);
 }
-#if defined(LITEINFER_GEMV_AVX512)
-template <>
-inline float dot_row<int8_t, float>(const int8_t* w, const float* x, int64_t k) {
-  return dot_row_vector(w, x, k);
-}
-#endif
 #if defined(__AVX512BF16__)
 template <>
 inline float dot_row<c10::BFloat16, c10::BFloat16>(const c10::BFloat16* w, const c10::BFloat16* x, int64_t k) {
@@ -167,129 +144,44 @@ inline float dot_row<c10::BFloat16, c10::BFloat16>(const c10::BFloat16* w, const
 #endif
 #endif
 
-// int4 weights, in the layout layers/quantization.py packs them in for this kernel: each group of 64 inputs is 32
-// bytes read as eight 32-bit lanes, lane l holding the levels q of inputs l, 8 + l, ..., 56 + l in its nibbles from
-// the lowest up, so that one mask (a shift for the top nibble) gives eight consecutive inputs' levels (no byte
-// shuffles); the weight is (q - 8) * scale + zero, one scale and zero per group.
-constexpr int64_t kInt4Group = 64;
+// Quantized rows. int8: one scale per row. int4: a scale and a zero per group of 64 inputs, the weight being
+// (q - 8) * scale + zero; each group's 64 levels q are 32 bytes, read as sixteen little-endian 16-bit lanes, lane l
+// holding the levels of inputs l, 16 + l, 32 + l, 48 + l in its nibbles from the lowest up
+// (layers/quantization.py: gemv_int4_layout), so that one shift and one mask give sixteen consecutive inputs' levels
+// as 16-bit integers, with no byte shuffles.
+constexpr int64_t kGroup = 64;  // int4's group of inputs, and the group x is rounded in below
 
 #if defined(__AVX2__) && defined(__FMA__)
-// The levels of eight consecutive inputs of a group, as fp32, times 2^kShift: nibble kShift / 4 of every lane masked
-// in place, its level q read as the integer q 2^kShift (exact in fp32: four significant bits), against x scaled by
-// 2^-kShift once per call (int4_inputs below). The top nibble would read as negative, so it is shifted down instead.
-// Two instructions per eight inputs where shift, mask and convert took three: 13.4-14.7 inputs per ns on one AMD
-// Zen 3 core against 11.2-12.9 (SmolLM2's shapes, in cache or not).
-template <int kShift>
-inline __m256 int4_levels(__m256i lanes) {
-  return _mm256_cvtepi32_ps(kShift == 28 ? _mm256_srli_epi32(lanes, 28)
-                                         : _mm256_and_si256(lanes, _mm256_set1_epi32(0xF << kShift)));
-}
-#endif
-
-// A row's sum of ((q - 8) s + z) x over its groups, as sum of s (q · x) + (z - 8 s) (sum of x): `x_sums` holds each
-// group's sum of x, `scales_and_zeros` the row's (s, z) pairs, `x` the inputs as int4_inputs scales them.
-template <typename scale_t>
-inline float dot_row_int4(const uint8_t* w, const float* x, const scale_t* scales_and_zeros, const float* x_sums,
-                          int64_t groups) {
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 total = _mm256_setzero_ps();  // the s (q · x) terms, reduced once at the end
-#else
-  float total = 0.f;
-#endif
-  float offset = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
-    const float scale = static_cast<float>(scales_and_zeros[2 * g]);
-    const float zero = static_cast<float>(scales_and_zeros[2 * g + 1]);
-    const uint8_t* wg = w + g * kInt4Group / 2;
-    const float* xg = x + g * kInt4Group;
-#if defined(__AVX2__) && defined(__FMA__)
-    const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
-    // Two sums, each a chain of four; the next group's sums start afresh, so groups overlap.
-    __m256 a0 = _mm256_mul_ps(int4_levels<0>(lanes), _mm256_loadu_ps(xg));
-    __m256 a1 = _mm256_mul_ps(int4_levels<4>(lanes), _mm256_loadu_ps(xg + 8));
-    a0 = _mm256_fmadd_ps(int4_levels<8>(lanes), _mm256_loadu_ps(xg + 16), a0);
-    a1 = _mm256_fmadd_ps(int4_levels<12>(lanes), _mm256_loadu_ps(xg + 24), a1);
-    a0 = _mm256_fmadd_ps(int4_levels<16>(lanes), _mm256_loadu_ps(xg + 32), a0);
-    a1 = _mm256_fmadd_ps(int4_levels<20>(lanes), _mm256_loadu_ps(xg + 40), a1);
-    a0 = _mm256_fmadd_ps(int4_levels<24>(lanes), _mm256_loadu_ps(xg + 48), a0);
-    a1 = _mm256_fmadd_ps(int4_levels<28>(lanes), _mm256_loadu_ps(xg + 56), a1);
-    total = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(scale), total);
-#else
-    float dot = 0.f;
-    for (int64_t i = 0; i < kInt4Group; ++i) {  // input i: lane i % 8, nibble i / 8 (bytes little-endian)
-      const uint8_t byte = wg[4 * (i % 8) + i / 16];
-      dot += static_cast<float>(i / 8 % 2 ? byte >> 4 : byte & 0xF) * xg[i];
-    }
-    total += scale * dot;
-#endif
-    offset += (zero - 8 * scale) * x_sums[g];
-  }
-#if defined(__AVX2__) && defined(__FMA__)
-  return reduce(total) + offset;
-#else
-  return total + offset;
-#endif
-}
-
-// x (fp32 or bf16) as dot_row_int4 reads it, in fp32: `scaled`, with AVX2 each input times 2^-kShift for the nibble
-// int4_levels finds its level in (powers of two: exact), as given otherwise; `sums`, each group's sum of x. One pass a group, which the
-// compiler vectorises: the sums as one serial chain of adds plus a pass of their own for the scaled copy took ~5 us
-// of a ~70 us call in the engine, this ~1 us.
-struct Int4Inputs {
-  std::vector<float> scaled, sums;
-};
-
-template <typename scalar_t>
-inline Int4Inputs int4_inputs(const scalar_t* x, int64_t k) {
-#if defined(__AVX2__) && defined(__FMA__)
-  constexpr float kScales[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.f};  // top: shifted
-#else
-  constexpr float kScales[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
-#endif
-  Int4Inputs inputs{std::vector<float>(k), std::vector<float>(k / kInt4Group)};
-  for (int64_t g = 0; g < k / kInt4Group; ++g) {
-    const scalar_t* xg = x + g * kInt4Group;
-    float* scaled = inputs.scaled.data() + g * kInt4Group;
-    float sum = 0.f;
-    for (int64_t i = 0; i < kInt4Group; ++i) {
-      const float xi = static_cast<float>(xg[i]);
-      sum += xi;
-      scaled[i] = xi * kScales[i / 8];
-    }
-    inputs.sums[g] = sum;
-  }
-  return inputs;
-}
-
-#if defined(__AVX2__) && defined(__FMA__) && !defined(LITEINFER_GEMV_AVX512)
-// int8 rows on AVX2 CPUs, in integers: x rounded to 16-bit levels per group of 64 inputs (level = x / scale, scale
-// = the group's largest |x| / 32767), each group's sum of levels times weights taken by vpmaddwd in int32 (exact:
-// at most 64 * 127 * 32767 < 2^31), then scaled. Sixteen weights a multiply, where widening them to fp32 took two
-// conversions per eight; the rounding of x is a relative 2^-16 of its group's largest value, below bf16's own
-// (2^-9) and 2^8 times below the weights' (2^-8 of their row's largest). SmolLM2's int8 linears streamed 6-15%
-// faster from memory, ~35% faster from cache (docs/benchmarks.md). AVX-512 CPUs keep the fp32 step above, measured
-// there and not here.
+// On x86 CPUs the products are taken in integers: x is rounded once per call to 16-bit levels per group of 64
+// inputs (level = x / scale, scale = the group's largest |x| / 32767), and each group's sum of weight levels times
+// x levels is exact in int32 (at most 64 * 127 * 32767 < 2^31), then scaled. Sixteen weights a multiply
+// (vpmaddwd, or AVX-512 VNNI's vpdpwssd, which adds as it multiplies), where converting them to fp32 took a
+// conversion per eight or sixteen. Rounding x moves each input by at most half a level: a relative 2^-16 of its
+// group's largest value, below bf16's own rounding (2^-9) and far below the weights' (int8: 2^-8 of the row's
+// largest). On AMD Zen 3 (AVX2) this made SmolLM2's int8 linears 6-15% faster from memory and ~35% from cache; on
+// AMD Zen 4 (AVX-512, whose 512-bit operations run as two 256-bit halves) int8 ~16% and int4 ~20% faster from
+// memory (docs/benchmarks.md).
 #define LITEINFER_GEMV_INT16_INPUTS
-constexpr int64_t kInt16Group = 64;
 
 struct Int16Inputs {
-  std::vector<int16_t> levels;  // x[i] ≈ levels[i] * scales[i / kInt16Group]
+  std::vector<int16_t> levels;  // x[i] ≈ levels[i] * scales[i / kGroup]
   std::vector<float> scales;
+  std::vector<float> sums;  // each group's sum of levels, times its scale: the sum of x as rounded
 };
 
 template <typename scalar_t>
 inline Int16Inputs int16_inputs(const scalar_t* x, int64_t k) {
-  const int64_t groups = (k + kInt16Group - 1) / kInt16Group;
-  Int16Inputs inputs{std::vector<int16_t>(k), std::vector<float>(groups)};
+  const int64_t groups = (k + kGroup - 1) / kGroup;
+  Int16Inputs inputs{std::vector<int16_t>(k), std::vector<float>(groups), std::vector<float>(groups)};
   const std::vector<float> x_float(x, x + k);
   const float* xf = x_float.data();
+  int16_t* levels = inputs.levels.data();
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t begin = g * kInt16Group, end = std::min(k, begin + kInt16Group);
+    const int64_t begin = g * kGroup, end = std::min(k, begin + kGroup);
     float largest = 0.f;
     for (int64_t i = begin; i < end; ++i) largest = std::max(largest, std::fabs(xf[i]));
     inputs.scales[g] = largest / 32767.f;
     const float inverse = largest > 0.f ? 32767.f / largest : 0.f;
-    int16_t* levels = inputs.levels.data();
     int64_t i = begin;
     for (; i + 8 <= end; i += 8) {  // (the compiler leaves lrintf's loop scalar)
       const __m256i rounded = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xf + i), _mm256_set1_ps(inverse)));
@@ -297,22 +189,43 @@ inline Int16Inputs int16_inputs(const scalar_t* x, int64_t k) {
                        _mm_packs_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1)));
     }
     for (; i < end; ++i) levels[i] = static_cast<int16_t>(std::lrintf(xf[i] * inverse));
+    int32_t sum = 0;
+    for (i = begin; i < end; ++i) sum += levels[i];
+    inputs.sums[g] = static_cast<float>(sum) * inputs.scales[g];
   }
   return inputs;
 }
 
+// acc + sixteen weight levels times sixteen x levels, summed in pairs: eight int32.
+inline __m256i multiply_add(__m256i acc, __m256i weights, const int16_t* x) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, weights, xv);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(weights, xv));
+#endif
+}
+
+// One whole group's sum of weight levels times x levels, in eight int32 lanes; `weights(j)` gives the levels of
+// inputs 16 j .. 16 j + 15 as 16-bit integers. Each group starts a chain of its own, so groups overlap.
+template <typename Weights>
+inline __m256 group_sum(const Weights& weights, const int16_t* x) {
+  __m256i acc = multiply_add(_mm256_setzero_si256(), weights(0), x);
+  acc = multiply_add(acc, weights(1), x + 16);
+  acc = multiply_add(acc, weights(2), x + 32);
+  acc = multiply_add(acc, weights(3), x + 48);
+  return _mm256_cvtepi32_ps(acc);
+}
+
 inline float dot_row_int8(const int8_t* w, const Int16Inputs& inputs, int64_t k) {
   const int16_t* levels = inputs.levels.data();
-  auto products = [&](int64_t i) {  // 16 weights times their levels, summed in pairs: eight int32
-    return _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i))),
-                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(levels + i)));
-  };
   __m256 total = _mm256_setzero_ps();
   int64_t i = 0, g = 0;
-  for (; i + kInt16Group <= k; i += kInt16Group, ++g) {
-    const __m256i group = _mm256_add_epi32(_mm256_add_epi32(products(i), products(i + 16)),
-                                           _mm256_add_epi32(products(i + 32), products(i + 48)));
-    total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group), _mm256_set1_ps(inputs.scales[g]), total);
+  for (; i + kGroup <= k; i += kGroup, ++g) {
+    auto weights = [&](int64_t j) {
+      return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i + 16 * j)));
+    };
+    total = _mm256_fmadd_ps(group_sum(weights, levels + i), _mm256_set1_ps(inputs.scales[g]), total);
   }
   float result = reduce(total);
   if (i < k) {  // the last, partial group
@@ -321,6 +234,48 @@ inline float dot_row_int8(const int8_t* w, const Int16Inputs& inputs, int64_t k)
     result += static_cast<float>(group) * inputs.scales[g];
   }
   return result;
+}
+
+// A row's sum of ((q - 8) s + z) x over its groups, as sum of s (q · x) + (z - 8 s) (sum of x); `scales_and_zeros`
+// holds the row's (s, z) pairs.
+template <typename scale_t>
+inline float dot_row_int4(const uint8_t* w, const Int16Inputs& inputs, const scale_t* scales_and_zeros,
+                          int64_t groups) {
+  const __m256i nibble = _mm256_set1_epi16(0xF);
+  __m256 total = _mm256_setzero_ps();  // the s (q · x) terms, reduced once at the end
+  float offset = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const float scale = static_cast<float>(scales_and_zeros[2 * g]);
+    const float zero = static_cast<float>(scales_and_zeros[2 * g + 1]);
+    const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kGroup / 2));
+    auto weights = [&](int64_t j) {  // nibble j of every lane (the top one needs no mask)
+      const __m256i shifted = _mm256_srli_epi16(lanes, static_cast<int>(4 * j));
+      return j == 3 ? shifted : _mm256_and_si256(shifted, nibble);
+    };
+    total = _mm256_fmadd_ps(group_sum(weights, inputs.levels.data() + g * kGroup),
+                            _mm256_set1_ps(scale * inputs.scales[g]), total);
+    offset += (zero - 8 * scale) * inputs.sums[g];
+  }
+  return reduce(total) + offset;
+}
+#else
+// The portable forms, in fp32 against x as given.
+inline float dot_row_int8(const int8_t* w, const float* x, int64_t k) { return dot_row(w, x, k); }
+
+template <typename scale_t>
+inline float dot_row_int4(const uint8_t* w, const float* x, const scale_t* scales_and_zeros, int64_t groups) {
+  float sum = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const float scale = static_cast<float>(scales_and_zeros[2 * g]);
+    const float zero = static_cast<float>(scales_and_zeros[2 * g + 1]);
+    const uint8_t* wg = w + g * kGroup / 2;
+    for (int64_t i = 0; i < kGroup; ++i) {  // input i: lane i % 16, nibble i / 16 (lanes little-endian)
+      const uint8_t byte = wg[2 * (i % 16) + i / 32];
+      const int q = i / 16 % 2 ? byte >> 4 : byte & 0xF;
+      sum += ((q - 8) * scale + zero) * x[g * kGroup + i];
+    }
+  }
+  return sum;
 }
 #endif
 
@@ -345,8 +300,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
   TORCH_CHECK(int8 || int4 || x.scalar_type() == weight.scalar_type(), "x and a float weight must share a dtype");
   const int64_t n = weight.size(0), k = x.size(1);
   if (int4) {
-    TORCH_CHECK(k % kInt4Group == 0, "int4 weights come in groups of 64 inputs");
-    TORCH_CHECK(scales && scales->dim() == 3 && scales->size(0) == n && scales->size(1) == k / kInt4Group &&
+    TORCH_CHECK(k % kGroup == 0, "int4 weights come in groups of 64 inputs");
+    TORCH_CHECK(scales && scales->dim() == 3 && scales->size(0) == n && scales->size(1) == k / kGroup &&
                     scales->size(2) == 2 && scales->scalar_type() == x.scalar_type(),
                 "an int4 weight takes [out, in / 64, 2] scales and zeros, in x's dtype");
   } else {
@@ -365,26 +320,23 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
     const scalar_t* b_data = b.defined() ? b.data_ptr<scalar_t>() : nullptr;
     scalar_t* y_data = y.data_ptr<scalar_t>();
     const scalar_t* xs = x_.data_ptr<scalar_t>();
-    if (int8) {  // x rounded to levels (AVX2) or widened to fp32 (otherwise) once: every row reads it
-      const int8_t* w = weight.data_ptr<int8_t>();
+    if (int8 || int4) {  // x rounded to levels (x86) or widened to fp32 (otherwise) once: every row reads it
 #if defined(LITEINFER_GEMV_INT16_INPUTS)
       const Int16Inputs inputs = int16_inputs(xs, k);
-      gemv_rows([&](int64_t row) { return dot_row_int8(w + row * k, inputs, k) * static_cast<float>(s_data[row]); },
-                b_data, y_data, n);
 #else
       const std::vector<float> x_float(xs, xs + k);
-      const float* xf = x_float.data();
-      gemv_rows([&](int64_t row) { return dot_row(w + row * k, xf, k) * static_cast<float>(s_data[row]); },
-                b_data, y_data, n);
+      const float* inputs = x_float.data();
 #endif
-    } else if (int4) {  // x widened to fp32 as it is scaled, once
-      const int64_t groups = k / kInt4Group;
-      const Int4Inputs inputs = int4_inputs(xs, k);
-      const uint8_t* w = weight.data_ptr<uint8_t>();
-      gemv_rows([&](int64_t row) {
-        return dot_row_int4(w + row * k / 2, inputs.scaled.data(), s_data + row * groups * 2, inputs.sums.data(),
-                            groups);
-      }, b_data, y_data, n);
+      if (int8) {
+        const int8_t* w = weight.data_ptr<int8_t>();
+        gemv_rows([&](int64_t row) { return dot_row_int8(w + row * k, inputs, k) * static_cast<float>(s_data[row]); },
+                  b_data, y_data, n);
+      } else {
+        const uint8_t* w = weight.data_ptr<uint8_t>();
+        const int64_t groups = k / kGroup;
+        gemv_rows([&](int64_t row) { return dot_row_int4(w + row * k / 2, inputs, s_data + row * groups * 2, groups); },
+                  b_data, y_data, n);
+      }
     } else {
       const scalar_t* w = weight.data_ptr<scalar_t>();
       gemv_rows([&](int64_t row) { return dot_row(w + row * k, xs, k); }, b_data, y_data, n);

@@ -100,13 +100,13 @@ class Int4Weight:
 
 
 def gemv_int4_layout(q: torch.Tensor) -> torch.Tensor:
-    """Levels q [out, in] (0..15) as kernels/gemv.cpp reads them: each group of 64 inputs as eight little-endian
-    32-bit lanes, lane l holding inputs l, 8 + l, ..., 56 + l from its lowest nibble up; so byte b of lane l holds
-    inputs 16 b + l (low nibble) and 16 b + 8 + l (high)."""
+    """Levels q [out, in] (0..15) as kernels/gemv.cpp reads them: each group of 64 inputs as sixteen little-endian
+    16-bit lanes, lane l holding inputs l, 16 + l, 32 + l, 48 + l from its lowest nibble up; so byte 2 l + b holds
+    inputs 32 b + l (low nibble) and 32 b + 16 + l (high)."""
     out_features, in_features = q.shape
-    # input 16 b + 8 h + l of a group: [out, group, byte b, low/high nibble h, lane l]
-    nibbles = q.to(torch.uint8).view(out_features, in_features // INT4_GROUP_SIZE, 4, 2, 8)
-    lane_bytes = nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)  # [out, group, byte, lane]
+    # input 32 b + 16 h + l of a group: [out, group, byte of the lane b, low/high nibble h, lane l]
+    nibbles = q.to(torch.uint8).view(out_features, in_features // INT4_GROUP_SIZE, 2, 2, 16)
+    lane_bytes = nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)  # [out, group, byte of the lane, lane]
     return lane_bytes.transpose(-1, -2).contiguous().view(out_features, in_features // 2)
 
 

@@ -30,14 +30,16 @@ def test_int4_engine_quantizes_every_linear_and_generates(tiny_llama_dir):
 
 
 def test_int4_one_sequence_and_a_batch_compute_the_same_weights(tiny_llama_dir):
-    # One sequence's decode steps take our GEMV's copy of the levels, a batch's PyTorch's packed copy.
+    # One sequence's decode steps take our GEMV's copy of the levels, a batch's PyTorch's packed copy. The GEMV
+    # rounds x to 16-bit levels (kernels/gemv.cpp), which moves this tiny model's logprobs by up to ~5e-4 (measured
+    # over 2 x 16 tokens); a misread layout moved the kernel's outputs by more than their own size.
     llm = LLM(str(tiny_llama_dir), dtype="float32", quantization="int4")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     alone = llm.generate(PROMPTS[:1], params)[0].outputs[0]
     batched = llm.generate(PROMPTS, params)[0].outputs[0]
     assert alone.token_ids == batched.token_ids
     for ours, theirs, token in zip(alone.logprobs, batched.logprobs, alone.token_ids):
-        assert abs(ours[token].logprob - theirs[token].logprob) < 1e-4
+        assert abs(ours[token].logprob - theirs[token].logprob) < 2e-3
 
 
 def test_quantization_on_cuda_is_refused(tiny_llama_dir):

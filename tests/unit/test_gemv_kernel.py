@@ -47,24 +47,30 @@ def test_gemv_matches_fp32_linear(out_features, in_features, dtype, with_bias, s
         torch.testing.assert_close(out.float(), expected.float(), **BF16_ONE_STEP)
 
 
-def int16_rounding_bound(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
-    """The most that rounding x to 16-bit levels per group of 64 inputs (the int8 path on AVX2 CPUs without
-    AVX-512) can move each output: half a level, the group's largest |x| / 32767 / 2, per input, times |weight|."""
+def int16_rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The most that rounding x to 16-bit levels per group of 64 inputs (the int8 and int4 paths on x86 CPUs) can
+    move each output of x weight^T: half a level, the group's largest |x| / 32767 / 2, per input, times |weight|."""
     half_level = torch.cat([group.abs().amax().expand(group.shape[1]) for group in x.float().split(64, dim=1)])
-    return (weight.q.float().abs() @ (half_level / 32767 / 2)) * weight.scales.float().abs()
+    return weight.float().abs() @ (half_level / 32767 / 2)
+
+
+def assert_quantized_gemv_close(out: torch.Tensor, x: torch.Tensor, dequantized: torch.Tensor,
+                                bias: torch.Tensor | None, fp32_tolerance: dict) -> None:
+    """The kernel's output against x dequantized^T (+ bias) in fp32: within `fp32_tolerance` (the sums' order) or one
+    bf16 step of the output, plus what rounding x to 16-bit levels can move it (int16_rounding_bound), no more."""
+    # (PyTorch's own int8 kernel is no reference here: on some small bf16 shapes it returns NaN or crashes.)
+    expected = F.linear(x.float(), dequantized, None if bias is None else bias.float())
+    assert out.dtype == x.dtype and out.shape == expected.shape
+    tolerance = fp32_tolerance if x.dtype == torch.float32 else BF16_ONE_STEP
+    allowed = int16_rounding_bound(x, dequantized) + tolerance["atol"] + tolerance["rtol"] * expected.abs()
+    error = (out.float() - expected).abs()
+    assert (error <= allowed).all(), f"largest excess {(error - allowed).max().item()}"
 
 
 def assert_int8_gemv_close(x: torch.Tensor, weight: Int8Weight) -> None:
-    """The kernel against x (q * scales)^T in fp32: within the sum's reordering (and one bf16 step of the output),
-    plus what rounding x to 16-bit levels can move it (int16_rounding_bound) and no more."""
     out = torch.ops.liteinfer.gemv(x, weight.q, weight.scales, None)
-    # (PyTorch's own int8 kernel is no reference here: on some small bf16 shapes it returns NaN or crashes.)
-    expected = F.linear(x.float(), weight.q.float()) * weight.scales.float()
-    assert out.dtype == x.dtype and out.shape == expected.shape
-    tolerance = FP32_REORDERED if x.dtype == torch.float32 else BF16_ONE_STEP
-    allowed = int16_rounding_bound(x, weight) + tolerance["atol"] + tolerance["rtol"] * expected.abs()
-    error = (out.float() - expected).abs()
-    assert (error <= allowed).all(), f"largest excess {(error - allowed).max().item()}"
+    dequantized = weight.q.float() * weight.scales.float()[:, None]
+    assert_quantized_gemv_close(out, x, dequantized, None, FP32_REORDERED)
 
 
 @settings(max_examples=40, deadline=None)
@@ -124,11 +130,8 @@ def test_gemv_on_int4_weights_matches_fp32_arithmetic(out_features, groups, dtyp
 
     out = torch.ops.liteinfer.gemv(x, gemv_int4_layout(q), scales_and_zeros, bias)
 
-    expected = F.linear(x.float(), int4_dequantized(q, scales_and_zeros), None if bias is None else bias.float())
-    assert out.dtype == dtype and out.shape == (1, out_features)
     # The kernel sums s (q · x) + (z - 8 s) (sum of x) per group: the same value, regrouped.
-    tolerance = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else BF16_ONE_STEP
-    torch.testing.assert_close(out, expected.to(dtype), **tolerance)
+    assert_quantized_gemv_close(out, x, int4_dequantized(q, scales_and_zeros), bias, {"atol": 1e-4, "rtol": 1e-5})
 
 
 def test_gemv_refuses_mismatched_inputs():
