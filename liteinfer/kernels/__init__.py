@@ -30,11 +30,11 @@ AVX-512 BF16 (fp32 and bf16) or with AVX2 and FMA (bf16 only): `packed_linear_av
 
 `gemv(x [1, in], weight [out, in] contiguous, scales [out] or None, bias [out] or None)` -> [1, out] =
 x (weight * scales)^T (+ bias), summed in fp32, in x's dtype (fp32 or bf16): a float weight is in x's dtype and
-takes no scales; an int8 weight takes one scale per row (layers/quantization.py's int8), and on CPUs with AVX2 but
-not AVX-512 is multiplied in integers against x rounded to 16-bit levels per group of 64 inputs (each input off by
-at most half of its group's largest |x| / 32767); an int4 weight is
+takes no scales; an int8 weight takes one scale per row (layers/quantization.py's int8); an int4 weight is
 [out, in / 2] uint8 in `layers/quantization.py: gemv_int4_layout` and takes scales [out, in / 64, 2] holding
-(scale, zero) per group of 64 inputs, the weight being (level - 8) * scale + zero.
+(scale, zero) per group of 64 inputs, the weight being (level - 8) * scale + zero. On x86 CPUs with AVX2, int8 and
+int4 weights are multiplied in integers against x rounded to 16-bit levels per group of 64 inputs (each input off
+by at most half of its group's largest |x| / 32767).
 
 `argmax(logits [rows, vocab] fp32 or bf16)` -> [rows] int64: the first index of each row's largest value, as
 `torch.argmax` gives it, except that NaN is skipped rather than taken as the largest.

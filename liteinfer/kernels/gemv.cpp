@@ -159,8 +159,10 @@ constexpr int64_t kGroup = 64;  // int4's group of inputs, and the group x is ro
 // conversion per eight or sixteen. Rounding x moves each input by at most half a level: a relative 2^-16 of its
 // group's largest value, below bf16's own rounding (2^-9) and far below the weights' (int8: 2^-8 of the row's
 // largest). On AMD Zen 3 (AVX2) this made SmolLM2's int8 linears 6-15% faster from memory and ~35% from cache; on
-// AMD Zen 4 (AVX-512, whose 512-bit operations run as two 256-bit halves) int8 ~16% and int4 ~20% faster from
-// memory (docs/benchmarks.md).
+// AMD Zen 4 (AVX-512, whose 512-bit operations run as two 256-bit halves) int8 16-18% and int4 15-19% faster from
+// memory, 19-33% from cache, against fp32 widening in 16 lanes (int4: in 8; in 16 it was no faster). On the AMD
+// Zen 5 an earlier int16 prototype of int8 was no faster than fp32 widening (docs/benchmarks.md): not measured
+// there since.
 #define LITEINFER_GEMV_INT16_INPUTS
 
 struct Int16Inputs {
