@@ -339,6 +339,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * dim), krows(16 * dim), vblock(block_size * dim), acc(group * dim), scores;
     std::vector<float> denom(group);
+    std::vector<c10::BFloat16> weights;  // bf16 values' softmax weights, in bf16
     for (int64_t task = begin; task < end; ++task) {
       const Task t = task_at(task);
       const int64_t first = t.first, num_keys = t.num_keys, span = num_keys - first;
@@ -375,7 +376,62 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         denom[g] = softmax_numerators(sg, span);
       }
 #if defined(__AVX512F__)
-      if constexpr (kDim > 0 && kDim % 16 == 0 && !std::is_same_v<scalar_t, double>) {
+      if constexpr (kBf16Dot<scalar_t, kDim>) {
+#if defined(__AVX512BF16__)
+        // bf16 values: two keys' rows interleaved element by element (vpunpck{l,h}wd) and multiplied by the two
+        // keys' weights, rounded to bf16 as the prompt kernel rounds them, with vdpbf16ps: per key, half the
+        // multiply-adds of the fp32 form below and no widening. An interleave keeps each 128-bit lane's elements
+        // 0-3 (low) or 4-7 (high), so each head's sums are put back in order once, at the end.
+        constexpr int64_t kChunks = kDim / 32, kHeads = std::max<int64_t>(1, 8 / kChunks);
+        const int64_t stride = (span + 15) / 16 * 16;  // a head's weights, whole vectors of 16
+        weights.resize(group * stride);
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t j = 0; j < span; j += 16) {
+            const __mmask16 mask = span - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (span - j)) - 1);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights.data() + g * stride + j),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, scores.data() + g * span + j)));
+          }
+        const __m512i low_order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        const __m512i high_order = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
+          const int64_t heads = std::min(kHeads, group - g0);
+          __m512 low[kHeads][kChunks], high[kHeads][kChunks];
+          for (int64_t h = 0; h < kHeads; ++h)
+            for (int64_t c = 0; c < kChunks; ++c) low[h][c] = high[h][c] = _mm512_setzero_ps();
+          for (int64_t start = first_block; start < num_keys; start += block_size) {
+            const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
+            const scalar_t* rows = block_of(v_data, t, start) + (lo - start) * kDim;
+            const uint16_t* w = reinterpret_cast<const uint16_t*>(weights.data()) + g0 * stride + (lo - first);
+            for (int64_t r = 0; r < hi - lo; r += 2) {
+              const bool pair = r + 1 < hi - lo;  // an odd last row is paired with itself, at weight 0
+              const scalar_t* a = rows + r * kDim;
+              const scalar_t* b = pair ? a + kDim : a;
+              __m512i x[kChunks], y[kChunks];
+              for (int64_t c = 0; c < kChunks; ++c) {
+                const __m512i ra = _mm512_loadu_si512(a + c * 32), rb = _mm512_loadu_si512(b + c * 32);
+                x[c] = _mm512_unpacklo_epi16(ra, rb);
+                y[c] = _mm512_unpackhi_epi16(ra, rb);
+              }
+              for (int64_t h = 0; h < kHeads; ++h) {
+                if (h >= heads) break;
+                const uint32_t second = pair ? w[h * stride + r + 1] : 0;
+                const __m512bh wp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(w[h * stride + r] | second << 16));
+                for (int64_t c = 0; c < kChunks; ++c) {
+                  low[h][c] = _mm512_dpbf16_ps(low[h][c], (__m512bh)x[c], wp);
+                  high[h][c] = _mm512_dpbf16_ps(high[h][c], (__m512bh)y[c], wp);
+                }
+              }
+            }
+          }
+          for (int64_t h = 0; h < heads; ++h)
+            for (int64_t c = 0; c < kChunks; ++c) {
+              float* dst = acc.data() + (g0 + h) * kDim + c * 32;
+              _mm512_storeu_ps(dst, _mm512_permutex2var_ps(low[h][c], low_order, high[h][c]));
+              _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(low[h][c], high_order, high[h][c]));
+            }
+        }
+#endif
+      } else if constexpr (kDim > 0 && kDim % 16 == 0 && !std::is_same_v<scalar_t, double>) {
         // Values: each row widened once into registers, then added into every head's sums, which stay in registers
         // (up to 16 of them: 4 heads of 64, 2 of 128) for the whole sequence.
         constexpr int64_t kVecs = kDim / 16, kHeads = std::max<int64_t>(1, 16 / kVecs);
