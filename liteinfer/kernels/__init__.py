@@ -15,7 +15,9 @@ test_argmax_kernel.py and test_pointwise_kernels.py hold the ops to.
 `paged_decode_attention(q [seqs, heads, dim], k_cache, v_cache [blocks, kv_heads, block_size, dim],
 block_tables [seqs, width] int64, positions [seqs] int64, scale, sliding_window (0: none), softcap (0: none))`
 -> [seqs, heads, dim]: each query attends to keys 0..its position (the last `sliding_window` of them when set) of
-its sequence, read through its block table; grouped query heads share a KV head; softmax in fp32.
+its sequence, read through its block table; grouped query heads share a KV head; softmax in fp32. With bf16 pools
+on CPUs with AVX-512 BF16 the softmax weights are rounded to bf16 before they multiply the values (as in the
+prompt kernel), the sums kept in fp32.
 
 `paged_prefill_attention(q [tokens, heads, dim], k_cache, v_cache, block_tables [spans, width] int64,
 query_starts [spans + 1] int64, positions [tokens] int64, scale, sliding_window (0: none))` -> [tokens, heads, dim]:
