@@ -315,8 +315,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 
   // Blocks lie anywhere in the pool, so the hardware prefetcher cannot run ahead across them: they are requested
   // by hand (measured: DRAM-latency bound without it). Each task asks for the next task's blocks when it starts,
-  // and for its next K block and its V blocks as it reads K. They go to L2 (locality hint 1), where the next task's
-  // blocks fit and evict nothing of the current one's: ~1.5x faster from DRAM than into L1 on AMD Zen 4.
+  // and for its next K block and its V blocks as it reads K. They go to L2 (locality hint 1), not to L1, which the
+  // next task's blocks alone can outgrow: ~1.5x faster from DRAM on AMD Zen 4 (docs/benchmarks.md).
   auto prefetch = [&](const scalar_t* block) {
     const char* bytes = reinterpret_cast<const char*>(block);
     for (int64_t b = 0; b < block_size * dim * static_cast<int64_t>(sizeof(scalar_t)); b += 64)
