@@ -76,6 +76,9 @@ inline __m512 sum_lanes_16(const __m512* v) {
 #if defined(__AVX512F__)
 constexpr float kHidden = -1e30f;  // the score of a key a query may not see: e^(kHidden - max) is 0, with no infinities
 
+// The mask of a vector's first min(n, 16) lanes: the rows or scores left when fewer than 16 remain.
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+
 // e^x in 16 lanes: 2^(x log2 e) as 2^n (vscalefps, which also takes a hugely negative n to 0) times 2^f, |f| <= 1/2,
 // from the Taylor series of e^(f ln 2) to the 6th power (relative error ~1e-7).
 inline __m512 exp16(__m512 x) {
@@ -248,7 +251,7 @@ void score_rows(const Query<scalar_t, kDim>* query, int64_t group, int64_t dim, 
                 acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(buffer + r * kDim + c * 16), q[c], acc[r]);
           }
         }
-        _mm512_mask_storeu_ps(scores + g * stride + j, static_cast<__mmask16>((1u << m) - 1),
+        _mm512_mask_storeu_ps(scores + g * stride + j, first_lanes(m),
                               _mm512_mul_ps(sum_lanes_16(acc), _mm512_set1_ps(scale)));
       }
     }
@@ -275,13 +278,13 @@ inline float softmax_numerators(float* s, int64_t n) {
 #if defined(__AVX512F__)
   __m512 top = _mm512_set1_ps(kHidden);
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 mask = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __mmask16 mask = first_lanes(n - j);
     top = _mm512_mask_max_ps(top, mask, top, _mm512_maskz_loadu_ps(mask, s + j));
   }
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 mask = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __mmask16 mask = first_lanes(n - j);
     const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), m)));
     _mm512_mask_storeu_ps(s + j, mask, e);
     sum = _mm512_add_ps(sum, e);
@@ -339,7 +342,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * dim), krows(16 * dim), vblock(block_size * dim), acc(group * dim), scores;
     std::vector<float> denom(group);
-    std::vector<c10::BFloat16> weights;  // bf16 values' softmax weights, in bf16
+    std::vector<uint16_t> weights;  // with bf16 values, their softmax weights as bf16 bits
     for (int64_t task = begin; task < end; ++task) {
       const Task t = task_at(task);
       const int64_t first = t.first, num_keys = t.num_keys, span = num_keys - first;
@@ -387,9 +390,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         weights.resize(group * stride);
         for (int64_t g = 0; g < group; ++g)
           for (int64_t j = 0; j < span; j += 16) {
-            const __mmask16 mask = span - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (span - j)) - 1);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights.data() + g * stride + j),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, scores.data() + g * span + j)));
+                                (__m256i)_mm512_cvtneps_pbh(
+                                    _mm512_maskz_loadu_ps(first_lanes(span - j), scores.data() + g * span + j)));
           }
         const __m512i low_order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
         const __m512i high_order = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
@@ -401,7 +404,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           for (int64_t start = first_block; start < num_keys; start += block_size) {
             const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
             const scalar_t* rows = block_of(v_data, t, start) + (lo - start) * kDim;
-            const uint16_t* w = reinterpret_cast<const uint16_t*>(weights.data()) + g0 * stride + (lo - first);
+            const uint16_t* w = weights.data() + g0 * stride + (lo - first);
             for (int64_t r = 0; r < hi - lo; r += 2) {
               const bool pair = r + 1 < hi - lo;  // an odd last row is paired with itself, at weight 0
               const scalar_t* a = rows + r * kDim;
