@@ -73,6 +73,22 @@ inline __m512 sum_lanes_16(const __m512* v) {
 }
 #endif
 
+// pass(heads, g0) for a group's query heads g0.. in passes of up to kMax, `heads` an integral_constant: the passes
+// that keep each head's sums in registers take the count fixed at compile time. With a run-time count and a branch
+// per head the compiler kept the sums in memory, stored and reloaded around every multiply-add (the AVX2 decode
+// kernel ran ~1.4x slower; the AVX-512 one 10-20%, measured on AMD Zen 4).
+template <int64_t kHeads, typename Pass>
+inline void head_pass(int64_t heads, int64_t g0, const Pass& pass) {
+  if constexpr (kHeads > 1)
+    if (heads < kHeads) return head_pass<kHeads - 1>(heads, g0, pass);
+  pass(std::integral_constant<int64_t, kHeads>{}, g0);
+}
+
+template <int64_t kMax, typename Pass>
+inline void for_head_passes(int64_t group, const Pass& pass) {
+  for (int64_t g0 = 0; g0 < group; g0 += kMax) head_pass<kMax>(std::min(kMax, group - g0), g0, pass);
+}
+
 #if defined(__AVX512F__)
 constexpr float kHidden = -1e30f;  // the score of a key a query may not see: e^(kHidden - max) is 0, with no infinities
 
@@ -137,21 +153,8 @@ inline __m256 sum_lanes_8(const __m256* v) {
 template <typename scalar_t, int64_t kDim>
 constexpr bool kDecodeAvx2 = kDim > 0 && kDim % 32 == 0 && kWidens8<scalar_t>;
 
-// The two passes below take a group's query heads up to three at a time, the count fixed at compile time: with a
-// run-time count and a branch per head the compiler kept the sums in memory and the kernel ran ~1.4x slower.
+// The two passes below take a group's query heads up to three at a time (for_head_passes).
 constexpr int64_t kHeadsPerPass = 3;
-
-// pass(heads, g0) for the group's heads g0.. in passes of up to kHeadsPerPass, `heads` an integral_constant.
-template <typename Pass>
-inline void for_head_passes(int64_t group, const Pass& pass) {
-  for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
-    switch (std::min(kHeadsPerPass, group - g0)) {
-      case 1: pass(std::integral_constant<int64_t, 1>{}, g0); break;
-      case 2: pass(std::integral_constant<int64_t, 2>{}, g0); break;
-      default: pass(std::integral_constant<int64_t, 3>{}, g0);
-    }
-  }
-}
 
 // scores[h * stride + r] = scale * (query h · key row r) for kHeads heads and rows r < m <= 8: each row widened in
 // registers once for all the heads, whose query elements the multiply-adds read from L1; two sums per head and row
@@ -226,40 +229,45 @@ void score_rows(const Query<scalar_t, kDim>* query, int64_t group, int64_t dim, 
     for (; j < n; j += 16) {
       const int64_t m = std::min<int64_t>(16, n - j);
       if constexpr (!kBf16Dot<scalar_t, kDim>) to_float(rows + j * kDim, buffer, m * kDim);
-      for (int64_t g = 0; g < group; ++g) {
-        __m512 acc[16];
-        if constexpr (kBf16Dot<scalar_t, kDim>) {
+      // A whole panel of 16 keys (every one but a sequence's last) takes no test per row.
+      auto panel = [&](auto whole) {
+        for (int64_t g = 0; g < group; ++g) {
+          __m512 acc[16];
+          if constexpr (kBf16Dot<scalar_t, kDim>) {
 #if defined(__AVX512BF16__)
-          const c10::BFloat16* qg = query + g * kDim;
-          __m512bh q[kDim / 32];
-          for (int64_t c = 0; c < kDim / 32; ++c) q[c] = (__m512bh)_mm512_loadu_si512(qg + c * 32);
-          for (int64_t r = 0; r < 16; ++r) {
-            acc[r] = _mm512_setzero_ps();
-            if (r < m)
-              for (int64_t c = 0; c < kDim / 32; ++c)
-                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(rows + (j + r) * kDim + c * 32), q[c]);
-          }
+            const c10::BFloat16* qg = query + g * kDim;
+            __m512bh q[kDim / 32];
+            for (int64_t c = 0; c < kDim / 32; ++c) q[c] = (__m512bh)_mm512_loadu_si512(qg + c * 32);
+            for (int64_t r = 0; r < 16; ++r) {
+              acc[r] = _mm512_setzero_ps();
+              if (whole() || r < m)
+                for (int64_t c = 0; c < kDim / 32; ++c)
+                  acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(rows + (j + r) * kDim + c * 32),
+                                            q[c]);
+            }
 #endif
-        } else {
-          const float* qg = query + g * kDim;
-          __m512 q[kDim / 16];
-          for (int64_t c = 0; c < kDim / 16; ++c) q[c] = _mm512_loadu_ps(qg + c * 16);
-          for (int64_t r = 0; r < 16; ++r) {
-            acc[r] = _mm512_setzero_ps();
-            if (r < m)
-              for (int64_t c = 0; c < kDim / 16; ++c)
-                acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(buffer + r * kDim + c * 16), q[c], acc[r]);
+          } else {
+            const float* qg = query + g * kDim;
+            __m512 q[kDim / 16];
+            for (int64_t c = 0; c < kDim / 16; ++c) q[c] = _mm512_loadu_ps(qg + c * 16);
+            for (int64_t r = 0; r < 16; ++r) {
+              acc[r] = _mm512_setzero_ps();
+              if (whole() || r < m)
+                for (int64_t c = 0; c < kDim / 16; ++c)
+                  acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(buffer + r * kDim + c * 16), q[c], acc[r]);
+            }
           }
+          _mm512_mask_storeu_ps(scores + g * stride + j, first_lanes(m),
+                                _mm512_mul_ps(sum_lanes_16(acc), _mm512_set1_ps(scale)));
         }
-        _mm512_mask_storeu_ps(scores + g * stride + j, first_lanes(m),
-                              _mm512_mul_ps(sum_lanes_16(acc), _mm512_set1_ps(scale)));
-      }
+      };
+      if (m == 16) panel(std::true_type{}); else panel(std::false_type{});
     }
   }
 #elif defined(LITEINFER_DECODE_AVX2)
   if constexpr (kDecodeAvx2<scalar_t, kDim>) {
     for (; j < n; j += 8)
-      for_head_passes(group, [&](auto heads, int64_t g0) {
+      for_head_passes<kHeadsPerPass>(group, [&](auto heads, int64_t g0) {
         score_8_rows<heads(), kDim>(query + g0 * kDim, rows + j * kDim, std::min<int64_t>(8, n - j), scale,
                                     scores + g0 * stride + j, stride);
       });
@@ -317,9 +325,11 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   scalar_t* out_data = out.data_ptr<scalar_t>();
 
   // Blocks lie anywhere in the pool, so the hardware prefetcher cannot run ahead across them: they are requested
-  // by hand (measured: DRAM-latency bound without it). Each task asks for the next task's blocks when it starts,
-  // and for its next K block and its V blocks as it reads K. They go to L2 (locality hint 1), not to L1, which the
-  // next task's blocks alone can outgrow: ~1.5x faster from DRAM on AMD Zen 4 (docs/benchmarks.md).
+  // by hand (measured: DRAM-latency bound without it). As a task reads each K block it asks for its own next K
+  // block and this block's values, and for one more K and V block of the next task (the rest of those once its keys
+  // are read): all of the next task's blocks at its start, a burst of hundreds of requests, stalled the core on its
+  // outstanding misses (~10% slower from DRAM on AMD Zen 4). They go to L2 (locality hint 1), not to L1, which the
+  // next task's blocks alone can outgrow: ~1.5x faster from DRAM there (docs/benchmarks.md).
   auto prefetch = [&](const scalar_t* block) {
     const char* bytes = reinterpret_cast<const char*>(block);
     for (int64_t b = 0; b < block_size * dim * static_cast<int64_t>(sizeof(scalar_t)); b += 64)
@@ -347,13 +357,14 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       const Task t = task_at(task);
       const int64_t first = t.first, num_keys = t.num_keys, span = num_keys - first;
       const int64_t head = t.seq * num_heads + t.kv_head * group;  // the group's first query head
-      if (task + 1 < end) {
-        const Task next = task_at(task + 1);
-        for (int64_t start = next.first - next.first % block_size; start < next.num_keys; start += block_size) {
-          prefetch(block_of(k_data, next, start));
-          prefetch(block_of(v_data, next, start));
-        }
-      }
+      const Task next = task + 1 < end ? task_at(task + 1) : Task{};  // none: no keys to request
+      int64_t next_start = next.first - next.first % block_size;
+      auto request_next_block = [&] {
+        if (next_start >= next.num_keys) return;
+        prefetch(block_of(k_data, next, next_start));
+        prefetch(block_of(v_data, next, next_start));
+        next_start += block_size;
+      };
       const Query<scalar_t, kDim>* query_heads;
       if constexpr (kBf16Dot<scalar_t, kDim>) {
         query_heads = q_data + head * dim;
@@ -363,15 +374,17 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       }
       scores.resize(group * span);
       const int64_t first_block = first - first % block_size;
-      // Keys, while the next K block and this block's values are requested: the scores.
+      // Keys, while the next K block, this block's values and a block of the next task are requested: the scores.
       prefetch(block_of(k_data, t, first_block));
       for (int64_t start = first_block; start < num_keys; start += block_size) {
         if (start + block_size < num_keys) prefetch(block_of(k_data, t, start + block_size));
         prefetch(block_of(v_data, t, start));
+        request_next_block();
         const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
         score_rows<scalar_t, kDim>(query_heads, group, dim, block_of(k_data, t, start) + (lo - start) * dim, hi - lo,
                                    static_cast<float>(scale), krows.data(), scores.data() + (lo - first), span);
       }
+      while (next_start < next.num_keys) request_next_block();
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * span;
         if (softcap > 0)
@@ -396,10 +409,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           }
         const __m512i low_order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
         const __m512i high_order = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-        for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
-          const int64_t heads = std::min(kHeads, group - g0);
-          __m512 low[kHeads][kChunks], high[kHeads][kChunks];
-          for (int64_t h = 0; h < kHeads; ++h)
+        for_head_passes<kHeads>(group, [&](auto heads, int64_t g0) {
+          __m512 low[heads()][kChunks], high[heads()][kChunks];
+          for (int64_t h = 0; h < heads(); ++h)
             for (int64_t c = 0; c < kChunks; ++c) low[h][c] = high[h][c] = _mm512_setzero_ps();
           for (int64_t start = first_block; start < num_keys; start += block_size) {
             const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
@@ -415,8 +427,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                 x[c] = _mm512_unpacklo_epi16(ra, rb);
                 y[c] = _mm512_unpackhi_epi16(ra, rb);
               }
-              for (int64_t h = 0; h < kHeads; ++h) {
-                if (h >= heads) break;
+              for (int64_t h = 0; h < heads(); ++h) {
                 const uint32_t second = pair ? w[h * stride + r + 1] : 0;
                 const __m512bh wp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(w[h * stride + r] | second << 16));
                 for (int64_t c = 0; c < kChunks; ++c) {
@@ -426,22 +437,21 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
               }
             }
           }
-          for (int64_t h = 0; h < heads; ++h)
+          for (int64_t h = 0; h < heads(); ++h)
             for (int64_t c = 0; c < kChunks; ++c) {
               float* dst = acc.data() + (g0 + h) * kDim + c * 32;
               _mm512_storeu_ps(dst, _mm512_permutex2var_ps(low[h][c], low_order, high[h][c]));
               _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(low[h][c], high_order, high[h][c]));
             }
-        }
+        });
 #endif
       } else if constexpr (kDim > 0 && kDim % 16 == 0 && !std::is_same_v<scalar_t, double>) {
         // Values: each row widened once into registers, then added into every head's sums, which stay in registers
         // (up to 16 of them: 4 heads of 64, 2 of 128) for the whole sequence.
         constexpr int64_t kVecs = kDim / 16, kHeads = std::max<int64_t>(1, 16 / kVecs);
-        for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
-          const int64_t heads = std::min(kHeads, group - g0);
-          __m512 a[kHeads][kVecs];
-          for (int64_t h = 0; h < kHeads; ++h)
+        for_head_passes<kHeads>(group, [&](auto heads, int64_t g0) {
+          __m512 a[heads()][kVecs];
+          for (int64_t h = 0; h < heads(); ++h)
             for (int64_t c = 0; c < kVecs; ++c) a[h][c] = _mm512_setzero_ps();
           for (int64_t start = first_block; start < num_keys; start += block_size) {
             const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
@@ -450,16 +460,15 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
             for (int64_t r = 0; r < hi - lo; ++r) {
               __m512 v[kVecs];
               for (int64_t c = 0; c < kVecs; ++c) v[c] = widen16(rows + r * kDim + c * 16);
-              for (int64_t h = 0; h < kHeads; ++h) {
-                if (h >= heads) break;
+              for (int64_t h = 0; h < heads(); ++h) {
                 const __m512 w = _mm512_set1_ps(p[h * span + r]);
                 for (int64_t c = 0; c < kVecs; ++c) a[h][c] = _mm512_fmadd_ps(w, v[c], a[h][c]);
               }
             }
           }
-          for (int64_t h = 0; h < heads; ++h)
+          for (int64_t h = 0; h < heads(); ++h)
             for (int64_t c = 0; c < kVecs; ++c) _mm512_storeu_ps(acc.data() + (g0 + h) * kDim + c * 16, a[h][c]);
-        }
+        });
       } else
 #endif
       {
@@ -469,7 +478,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
 #if defined(LITEINFER_DECODE_AVX2)
           if constexpr (kDecodeAvx2<scalar_t, kDim>) {
-            for_head_passes(group, [&](auto heads, int64_t g0) {
+            for_head_passes<kHeadsPerPass>(group, [&](auto heads, int64_t g0) {
               add_weighted_rows<heads(), kDim>(scores.data() + g0 * span + (lo - first), span,
                                                block_of(v_data, t, start) + (lo - start) * kDim, hi - lo,
                                                acc.data() + g0 * kDim);
