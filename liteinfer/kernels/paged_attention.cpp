@@ -14,6 +14,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -417,10 +418,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
             const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
             const scalar_t* rows = block_of(v_data, t, start) + (lo - start) * kDim;
             const uint16_t* w = weights.data() + g0 * stride + (lo - first);
-            for (int64_t r = 0; r < hi - lo; r += 2) {
-              const bool pair = r + 1 < hi - lo;  // an odd last row is paired with itself, at weight 0
-              const scalar_t* a = rows + r * kDim;
-              const scalar_t* b = pair ? a + kDim : a;
+            // Rows a and b times their weights, each head's pair of them one int (a's in the low half).
+            auto add_pair = [&](const scalar_t* a, const scalar_t* b, const auto& weight_pair) {
               __m512i x[kChunks], y[kChunks];
               for (int64_t c = 0; c < kChunks; ++c) {
                 const __m512i ra = _mm512_loadu_si512(a + c * 32), rb = _mm512_loadu_si512(b + c * 32);
@@ -428,14 +427,23 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                 y[c] = _mm512_unpackhi_epi16(ra, rb);
               }
               for (int64_t h = 0; h < heads(); ++h) {
-                const uint32_t second = pair ? w[h * stride + r + 1] : 0;
-                const __m512bh wp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(w[h * stride + r] | second << 16));
+                const __m512bh wp = (__m512bh)_mm512_set1_epi32(weight_pair(h));
                 for (int64_t c = 0; c < kChunks; ++c) {
                   low[h][c] = _mm512_dpbf16_ps(low[h][c], (__m512bh)x[c], wp);
                   high[h][c] = _mm512_dpbf16_ps(high[h][c], (__m512bh)y[c], wp);
                 }
               }
-            }
+            };
+            const int64_t n = hi - lo;
+            for (int64_t r = 0; r + 1 < n; r += 2)  // two keys' weights lie side by side: one load each head
+              add_pair(rows + r * kDim, rows + (r + 1) * kDim, [&](int64_t h) {
+                int32_t pair;
+                std::memcpy(&pair, w + h * stride + r, sizeof(pair));
+                return pair;
+              });
+            if (n % 2)  // an odd last row, paired with itself at weight 0
+              add_pair(rows + (n - 1) * kDim, rows + (n - 1) * kDim,
+                       [&](int64_t h) { return static_cast<int32_t>(w[h * stride + n - 1]); });
           }
           for (int64_t h = 0; h < heads(); ++h)
             for (int64_t c = 0; c < kChunks; ++c) {
