@@ -1,7 +1,7 @@
 """The packed linear (liteinfer/kernels/packed_linear.cpp) against the exact product (float64), within what fp32
 summation may err, over row counts that take every tile size and the M-blocking, output counts that end a tile's
-three blocks early, and odd input lengths; and `pack_linears` choosing it (tests/integration run whole models
-through it)."""
+three blocks early, odd input lengths and the AMX tiles' multiples of 32; and `pack_linears` choosing it
+(tests/integration run whole models through it)."""
 
 import pytest
 import torch
@@ -21,7 +21,9 @@ DTYPES = [dtype for dtype in (torch.float32, torch.bfloat16) if kernels.packed_l
 @given(
     rows=st.one_of(st.integers(0, 20), st.integers(120, 300)),  # every tile size; more than one block of 128 rows
     blocks=st.integers(1, 8),  # 16 outputs each: groups of three blocks, and of one or two at the end
-    steps=st.integers(1, 300),  # fp32 sums in chunks of 128 steps: one to three of them
+    # fp32 sums in chunks of 128 steps: one to three of them; on CPUs with AMX, bf16 inputs in multiples of 32 take
+    # its tiles (the rows in passes of 16, the last from a zero-padded copy)
+    steps=st.one_of(st.integers(1, 300), st.integers(1, 12).map(lambda tiles: 16 * tiles)),
     dtype=st.sampled_from(DTYPES),
     with_bias=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
@@ -44,6 +46,14 @@ def test_packed_linear_is_within_fp32_summation_error_of_the_exact_product(rows,
     if dtype == torch.bfloat16:
         bound = bound * (1 + 2**-8) + 2**-8 * exact.abs()
     assert ((out.double() - exact).abs() <= bound).all()
+
+
+def test_amx_serves_bf16_where_the_cpu_has_it():
+    """The AMX tiles are built and permitted wherever the CPU reports AMX-BF16 (Linux grants the tile state on
+    request), so that the test above covers them on such a CPU."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        has_amx = any(line.startswith("flags") and " amx_bf16" in line for line in cpuinfo)
+    assert torch.ops.liteinfer.packed_linear_amx() == has_amx
 
 
 @pytest.mark.skipif(torch.float32 not in DTYPES, reason="fp32 stays oneDNN's on this CPU")
