@@ -9,6 +9,7 @@ Each model loads once per module; the engine's first load converts the GGUF into
 thread: on 2 busy cores, thread hand-offs made the decode steps of this small model ten times slower.
 """
 
+import copy
 import importlib.util
 import re
 
@@ -77,12 +78,22 @@ def test_gemma3_270m_is_gemma3_with_local_and_global_layers(llm):
 
 
 def test_gemma3_270m_logits_match_transformers_fp32_past_the_window(llm, hf_model):
+    """Against transformers in fp32 and in float64. A few positions of the long prompt are ill-conditioned in fp32:
+    there both fp32 implementations stray from float64 by ~1e-3 (measured on an Intel Xeon: transformers 1.4e-3 at
+    one position, we 1.6e-3 at another, each ~3e-5 elsewhere on logits of magnitude ~20-35). So we must be as close
+    to float64 as transformers' fp32 is, within a factor of two, and within 1e-3 of transformers' fp32 at every
+    position where that is within 1e-4 of float64."""
     prompts = [llm.tokenizer.encode(LONG_PROMPT), llm.tokenizer.encode(PROMPTS[2])]
     assert len(prompts[0]) > 600
+    exact_model = copy.deepcopy(hf_model).double()
     for ids, logits in zip(prompts, prefill_logits(llm, prompts), strict=True):
         expected = hf_logits(hf_model, ids)
-        # Measured: ~2e-5 on logits of magnitude ~20.
-        torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)
+        exact = hf_logits(exact_model, ids)
+        reference_error = (expected - exact).abs()
+        assert (logits - exact).abs().max() <= 2 * reference_error.max() + 1e-4
+        conditioned = reference_error.amax(dim=-1) < 1e-4
+        assert conditioned.float().mean() > 0.9
+        torch.testing.assert_close(logits[conditioned], expected[conditioned], atol=1e-3, rtol=0)
 
 
 def test_gemma3_270m_greedy_matches_transformers_fp32(llm, hf_model, greedy):
