@@ -13,7 +13,9 @@
 // one row, and level with oneDNN from 256 rows up (docs/benchmarks.md).
 //
 // On CPUs with AVX2 and FMA but not AVX-512 BF16 the same layout is read by a tile of their own (further below):
-// a block of 16 outputs is two 8-lane vectors, and bf16 weights are widened in registers.
+// a block of 16 outputs is two 8-lane vectors, and bf16 weights are widened in registers. On CPUs with AMX, bf16 goes
+// through its tiles instead (amx_rows): on an Intel Xeon with AMX that ran SmolLM2's linears 3.1x faster than the
+// AVX-512 tile at 32 rows and 1.2-1.3x oneDNN's prepacked matmul, 0.8-0.9x it at 256 rows, level at 1,024.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
