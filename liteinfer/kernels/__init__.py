@@ -29,7 +29,8 @@ built on AVX-512 CPUs only (`prefill_available()`).
 x W^T (+ bias), summed in fp32, in x's dtype (fp32: pair 1; bf16: pair 2), for W [out, in] packed by
 `layers/linear.py: pack_weight` (16 outputs' weights for one input pair side by side); built on x86 CPUs with
 AVX-512 BF16 (fp32 and bf16) or with AVX2 and FMA (bf16 only): `packed_linear_available(dtype)`. On CPUs with AMX
-(`packed_linear_amx()`), bf16 with inputs in multiples of 32 is multiplied in AMX tiles, the sums still fp32.
+(`packed_linear_amx()`), bf16 with inputs in multiples of 32 is multiplied in AMX tiles, the sums still fp32 (the
+tiles take subnormal bf16 inputs as zero).
 
 `gemv(x [1, in], weight [out, in] contiguous, scales [out] or None, bias [out] or None)` -> [1, out] =
 x (weight * scales)^T (+ bias), summed in fp32, in x's dtype (fp32 or bf16): a float weight is in x's dtype and
