@@ -86,6 +86,12 @@ struct Arith<c10::BFloat16> {
   }
 };
 
+// 16 outputs at y: their fp32 sums (+ their bias), in T.
+template <typename T>
+void store_outputs(T* y, __m512 sum, const T* bias) {
+  Arith<T>::store(y, bias ? _mm512_add_ps(sum, Arith<T>::widen(bias)) : sum);
+}
+
 // y[MT rows, 16 * NB outputs] = x[MT rows] . the group of NB blocks at `w` (+ b).
 template <typename T, int MT, int NB>
 void tile(const T* x, int64_t k, const T* w, const T* bias, T* y, int64_t n, Prefetch prefetch) {
@@ -121,10 +127,8 @@ void tile(const T* x, int64_t k, const T* w, const T* bias, T* y, int64_t n, Pre
 #pragma GCC unroll 8
   for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 3
-    for (int b = 0; b < NB; ++b) {
-      const __m512 sum = _mm512_load_ps(total[m][b]);
-      A::store(y + m * n + b * 16, bias ? _mm512_add_ps(sum, A::widen(bias + b * 16)) : sum);
-    }
+    for (int b = 0; b < NB; ++b)
+      store_outputs(y + m * n + b * 16, _mm512_load_ps(total[m][b]), bias ? bias + b * 16 : nullptr);
 }
 
 #else  // LITEINFER_PACKED_AVX2
@@ -262,12 +266,9 @@ void amx_pass(const c10::BFloat16* x, int64_t k, const c10::BFloat16* w, const c
   _tile_stored(0, sums, step_bytes);
   if constexpr (NB > 1) _tile_stored(1, sums + 16, step_bytes);
   if constexpr (NB > 2) _tile_stored(2, sums + 32, step_bytes);
-  using A = Arith<c10::BFloat16>;
   for (int64_t r = 0; r < rows; ++r)
-    for (int b = 0; b < NB; ++b) {
-      const __m512 sum = _mm512_loadu_ps(sums + r * NB * 16 + b * 16);
-      A::store(y + r * n + b * 16, bias ? _mm512_add_ps(sum, A::widen(bias + b * 16)) : sum);
-    }
+    for (int b = 0; b < NB; ++b)
+      store_outputs(y + r * n + b * 16, _mm512_loadu_ps(sums + r * NB * 16 + b * 16), bias ? bias + b * 16 : nullptr);
 }
 
 void amx_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y,
