@@ -218,11 +218,30 @@ constexpr bool kBf16Dot = false;
 template <typename scalar_t, int64_t kDim>
 using Query = std::conditional_t<kBf16Dot<scalar_t, kDim>, c10::BFloat16, float>;
 
+// The cache lines of one block of the pool, requested into L2 a few at a time (`next`) between the multiply-adds
+// of the block being read, the rest at its end (`rest`). Requested all at once, a block's 32 lines stalled the core
+// until most had arrived: its reads and the arithmetic took turns instead of overlapping (~12% slower from DRAM
+// on an Intel Xeon, docs/benchmarks.md).
+class LineRequests {
+ public:
+  LineRequests(const void* block, int64_t bytes)
+      : next_(static_cast<const char*>(block)), end_(block ? next_ + bytes : nullptr) {}
+  void next(int64_t lines) {
+    for (; lines > 0 && next_ < end_; --lines, next_ += 64) __builtin_prefetch(next_, 0, 1);
+  }
+  void rest() { next(INT64_MAX); }
+
+ private:
+  const char* next_;
+  const char* end_;
+};
+
 // scores[g * stride + j] = scale * (query g · key row j), for n consecutive key rows and each of the group's query
-// heads (`group` of them, side by side); fp32 queries take the rows widened into `buffer` (16 rows' room).
+// heads (`group` of them, side by side); fp32 queries take the rows widened into `buffer` (16 rows' room). Two of
+// `lines` are requested per row of a panel of 16 keys.
 template <typename scalar_t, int64_t kDim>
 void score_rows(const Query<scalar_t, kDim>* query, int64_t group, int64_t dim, const scalar_t* rows, int64_t n,
-                float scale, float* buffer, float* scores, int64_t stride) {
+                float scale, float* buffer, float* scores, int64_t stride, LineRequests& lines) {
   int64_t j = 0;
 #if defined(__AVX512F__)
   if constexpr (kDim > 0 && kDim % 16 == 0) {
@@ -241,6 +260,7 @@ void score_rows(const Query<scalar_t, kDim>* query, int64_t group, int64_t dim, 
             for (int64_t c = 0; c < kDim / 32; ++c) q[c] = (__m512bh)_mm512_loadu_si512(qg + c * 32);
             for (int64_t r = 0; r < 16; ++r) {
               acc[r] = _mm512_setzero_ps();
+              if (g == 0) lines.next(2);
               if (whole() || r < m)
                 for (int64_t c = 0; c < kDim / 32; ++c)
                   acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(rows + (j + r) * kDim + c * 32),
@@ -253,6 +273,7 @@ void score_rows(const Query<scalar_t, kDim>* query, int64_t group, int64_t dim, 
             for (int64_t c = 0; c < kDim / 16; ++c) q[c] = _mm512_loadu_ps(qg + c * 16);
             for (int64_t r = 0; r < 16; ++r) {
               acc[r] = _mm512_setzero_ps();
+              if (g == 0) lines.next(2);
               if (whole() || r < m)
                 for (int64_t c = 0; c < kDim / 16; ++c)
                   acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(buffer + r * kDim + c * 16), q[c], acc[r]);
@@ -325,17 +346,6 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t* pos = positions.data_ptr<int64_t>();
   scalar_t* out_data = out.data_ptr<scalar_t>();
 
-  // Blocks lie anywhere in the pool, so the hardware prefetcher cannot run ahead across them: they are requested
-  // by hand (measured: DRAM-latency bound without it). As a task reads each K block it asks for its own next K
-  // block and this block's values, and for one more K and V block of the next task (the rest of those once its keys
-  // are read): all of the next task's blocks at its start, a burst of hundreds of requests, stalled the core on its
-  // outstanding misses (~10% slower from DRAM on AMD Zen 4). They go to L2 (locality hint 1), not to L1, which the
-  // next task's blocks alone can outgrow: ~1.5x faster from DRAM there (docs/benchmarks.md).
-  auto prefetch = [&](const scalar_t* block) {
-    const char* bytes = reinterpret_cast<const char*>(block);
-    for (int64_t b = 0; b < block_size * dim * static_cast<int64_t>(sizeof(scalar_t)); b += 64)
-      __builtin_prefetch(bytes + b, 0, 1);
-  };
   // A task is one (sequence, KV head); it reads keys first..num_keys-1 of its sequence.
   struct Task {
     int64_t seq, kv_head, first, num_keys;
@@ -348,24 +358,46 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   auto block_of = [&](const scalar_t* pool, const Task& t, int64_t start) {
     return pool + block_start(tables[t.seq * table_width + start / block_size], t.kv_head, kv_heads, block_size, dim);
   };
+  const int64_t block_bytes = block_size * dim * static_cast<int64_t>(sizeof(scalar_t));
 
   // The query heads of a task's group share every row read.
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * dim), krows(16 * dim), vblock(block_size * dim), acc(group * dim), scores;
     std::vector<float> denom(group);
     std::vector<uint16_t> weights;  // with bf16 values, their softmax weights as bf16 bits
+    // Blocks lie anywhere in the pool, so the hardware prefetcher cannot run ahead across them: they are requested
+    // by hand (measured: DRAM-latency bound without it), into L2 (locality hint 1), not L1, which a few tasks'
+    // blocks outgrow (~1.5x faster from DRAM on AMD Zen 4). The thread walks its blocks in the order it reads them
+    // (a task's K blocks, then its V blocks, then the next task's) and, as it reads one, requests the one
+    // kBlocksAhead further on that walk (docs/benchmarks.md).
+    constexpr int64_t kBlocksAhead = 2;
+    struct Walk {
+      int64_t task, values, start;  // values: 0 while in a task's K blocks, 1 in its V blocks
+    };
+    auto first_block_of = [&](int64_t task) {
+      const Task t = task_at(task);
+      return t.first - t.first % block_size;
+    };
+    Walk ahead{begin, 0, first_block_of(begin)};
+    auto block_ahead = [&]() -> LineRequests {  // the walk's next block; none past the thread's last task
+      while (ahead.task < end) {
+        const Task t = task_at(ahead.task);
+        if (ahead.start < t.num_keys) {
+          const scalar_t* block = block_of(ahead.values ? v_data : k_data, t, ahead.start);
+          ahead.start += block_size;
+          return LineRequests(block, block_bytes);
+        }
+        // A pass over the task's blocks is done: on to its values, or to the next task's keys.
+        ahead = ahead.values ? Walk{ahead.task + 1, 0, 0} : Walk{ahead.task, 1, 0};
+        if (ahead.task < end) ahead.start = first_block_of(ahead.task);
+      }
+      return LineRequests(nullptr, 0);
+    };
+    for (int64_t i = 0; i < kBlocksAhead; ++i) block_ahead().rest();
     for (int64_t task = begin; task < end; ++task) {
       const Task t = task_at(task);
       const int64_t first = t.first, num_keys = t.num_keys, span = num_keys - first;
       const int64_t head = t.seq * num_heads + t.kv_head * group;  // the group's first query head
-      const Task next = task + 1 < end ? task_at(task + 1) : Task{};  // none: no keys to request
-      int64_t next_start = next.first - next.first % block_size;
-      auto request_next_block = [&] {
-        if (next_start >= next.num_keys) return;
-        prefetch(block_of(k_data, next, next_start));
-        prefetch(block_of(v_data, next, next_start));
-        next_start += block_size;
-      };
       const Query<scalar_t, kDim>* query_heads;
       if constexpr (kBf16Dot<scalar_t, kDim>) {
         query_heads = q_data + head * dim;
@@ -375,17 +407,13 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       }
       scores.resize(group * span);
       const int64_t first_block = first - first % block_size;
-      // Keys, while the next K block, this block's values and a block of the next task are requested: the scores.
-      prefetch(block_of(k_data, t, first_block));
       for (int64_t start = first_block; start < num_keys; start += block_size) {
-        if (start + block_size < num_keys) prefetch(block_of(k_data, t, start + block_size));
-        prefetch(block_of(v_data, t, start));
-        request_next_block();
+        LineRequests lines = block_ahead();
         const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
         score_rows<scalar_t, kDim>(query_heads, group, dim, block_of(k_data, t, start) + (lo - start) * dim, hi - lo,
-                                   static_cast<float>(scale), krows.data(), scores.data() + (lo - first), span);
+                                   static_cast<float>(scale), krows.data(), scores.data() + (lo - first), span, lines);
+        lines.rest();
       }
-      while (next_start < next.num_keys) request_next_block();
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * span;
         if (softcap > 0)
@@ -415,12 +443,14 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           for (int64_t h = 0; h < heads(); ++h)
             for (int64_t c = 0; c < kChunks; ++c) low[h][c] = high[h][c] = _mm512_setzero_ps();
           for (int64_t start = first_block; start < num_keys; start += block_size) {
+            LineRequests lines = g0 == 0 ? block_ahead() : LineRequests(nullptr, 0);  // the first pass walks on
             const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
             const scalar_t* rows = block_of(v_data, t, start) + (lo - start) * kDim;
             const uint16_t* w = weights.data() + g0 * stride + (lo - first);
             // Rows a and b times their weights, each head's pair of them one int (a's in the low half).
             auto add_pair = [&](const scalar_t* a, const scalar_t* b, const auto& weight_pair) {
               __m512i x[kChunks], y[kChunks];
+              lines.next(4);
               for (int64_t c = 0; c < kChunks; ++c) {
                 const __m512i ra = _mm512_loadu_si512(a + c * 32), rb = _mm512_loadu_si512(b + c * 32);
                 x[c] = _mm512_unpacklo_epi16(ra, rb);
@@ -444,6 +474,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
             if (n % 2)  // an odd last row, paired with itself at weight 0
               add_pair(rows + (n - 1) * kDim, rows + (n - 1) * kDim,
                        [&](int64_t h) { return static_cast<int32_t>(w[h * stride + n - 1]); });
+            lines.rest();
           }
           for (int64_t h = 0; h < heads(); ++h)
             for (int64_t c = 0; c < kChunks; ++c) {
@@ -462,6 +493,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           for (int64_t h = 0; h < heads(); ++h)
             for (int64_t c = 0; c < kVecs; ++c) a[h][c] = _mm512_setzero_ps();
           for (int64_t start = first_block; start < num_keys; start += block_size) {
+            if (g0 == 0) block_ahead().rest();
             const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
             const scalar_t* rows = block_of(v_data, t, start) + (lo - start) * kDim;
             const float* p = scores.data() + g0 * span + (lo - first);
@@ -483,6 +515,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         // Values a block at a time: its rows widened once (in registers with AVX2), then each query head sums them.
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t start = first_block; start < num_keys; start += block_size) {
+          block_ahead().rest();
           const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
 #if defined(LITEINFER_DECODE_AVX2)
           if constexpr (kDecodeAvx2<scalar_t, kDim>) {
