@@ -120,14 +120,14 @@ class CompiledDecoder:
             # The generated code's checks of every buffer's size and alignment: ~200 Python calls per step, on
             # tensors that dynamo's guards and the kernels' own checks already cover.
             torch._inductor.config.patch(freezing=True, size_asserts=False, alignment_asserts=False),
+            # The graphs' kernels called from C++ (inductor's cpp_wrapper), not from a Python wrapper: 0.4-0.7 ms
+            # less per step at 4-128 sequences (docs/benchmarks.md), cached on disk like the Python ones. CUDA
+            # graphs replay the Python wrapper's kernels instead.
+            torch._inductor.config.patch(cpp_wrapper=not self.cuda_graphs),
             # Without it, a batch that happens to equal the table width at the first compile would tie the two.
             torch.fx.experimental._config.patch(use_duck_shape=False),
         ):
             for batch in (1, 2):
-                # The batch of one runs its kernels from C++ (inductor's cpp_wrapper), ~0.3 ms of Python less
-                # per token where latency is the point; a batched step is long enough not to repay the longer
-                # compile (docs/benchmarks.md).
-                cpp_wrapper = batch == 1 and not self.cuda_graphs
                 ids = torch.zeros(batch, dtype=torch.long, device=device)
                 meta = AttentionMetadata(
                     slot_blocks=ids.clone(),
@@ -136,7 +136,6 @@ class CompiledDecoder:
                     decode_block_tables=torch.zeros(batch, 2, dtype=torch.long, device=device),
                     prefills=[],
                 )
-                with torch._inductor.config.patch(cpp_wrapper=cpp_wrapper):
-                    self(StepInputs(ids, meta, torch.arange(batch, device=device)))
+                self(StepInputs(ids, meta, torch.arange(batch, device=device)))
         self.warmed_up = True
         logger.info("decode step compiled in %.0f s", time.perf_counter() - start)

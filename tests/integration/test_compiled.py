@@ -83,16 +83,16 @@ def test_graphs_are_compiled_at_start_up_only(compiled):
     assert len(_debug_get_cache_entry_list(code)) == 2  # new batch sizes and context lengths: no recompile
 
 
-def test_both_graphs_multiply_through_the_packed_linear_kernel_the_batch_of_one_from_cpp(compiled):
+def test_both_graphs_multiply_through_the_packed_linear_kernel_from_cpp(compiled):
     """Each graph's linears, LM head included, run kernels/packed_linear.cpp on the weights the engine packed before
-    compiling (inductor packs no copy of its own for oneDNN); the batch-of-one graph calls it from C++ (inductor's
-    cpp_wrapper: no Python per kernel call), the batched graph from Python."""
+    compiling (inductor packs no copy of its own for oneDNN), called from C++ (inductor's cpp_wrapper: no Python per
+    kernel call)."""
     if not kernels.packed_linear_available(torch.float32):
         pytest.skip("the packed linear takes fp32 on CPUs with AVX-512 BF16 only")
     llm, code = compiled
     num_linears = sum(isinstance(m, Linear) for m in llm.engine.runner.model.modules()) + 1  # + the LM head
-    assert code.count('aoti_torch_call_dispatcher("liteinfer::packed_linear"') == num_linears
-    assert code.count("torch.ops.liteinfer.packed_linear.default(") == num_linears
+    assert code.count('aoti_torch_call_dispatcher("liteinfer::packed_linear"') == 2 * num_linears
+    assert "torch.ops.liteinfer.packed_linear" not in code
     assert "mkldnn" not in code and "liteinfer::gemv" not in code
 
 
