@@ -220,7 +220,7 @@ using Query = std::conditional_t<kBf16Dot<scalar_t, kDim>, c10::BFloat16, float>
 
 // The cache lines of one block of the pool, requested into L2 a few at a time (`next`) between the multiply-adds
 // of the block being read, the rest at its end (`rest`). Requested all at once, a block's 32 lines stalled the core
-// until most had arrived: its reads and the arithmetic took turns instead of overlapping (~12% slower from DRAM
+// until most had arrived: its reads and the arithmetic took turns instead of overlapping (~10% slower from DRAM
 // on an Intel Xeon, docs/benchmarks.md).
 class LineRequests {
  public:
@@ -237,8 +237,8 @@ class LineRequests {
 };
 
 // scores[g * stride + j] = scale * (query g · key row j), for n consecutive key rows and each of the group's query
-// heads (`group` of them, side by side); fp32 queries take the rows widened into `buffer` (16 rows' room). Two of
-// `lines` are requested per row of a panel of 16 keys.
+// heads (`group` of them, side by side); fp32 queries take the rows widened into `buffer` (16 rows' room). As many
+// of `lines` as a row holds are requested per row of a panel of 16 keys.
 template <typename scalar_t, int64_t kDim>
 void score_rows(const Query<scalar_t, kDim>* query, int64_t group, int64_t dim, const scalar_t* rows, int64_t n,
                 float scale, float* buffer, float* scores, int64_t stride, LineRequests& lines) {
@@ -246,6 +246,7 @@ void score_rows(const Query<scalar_t, kDim>* query, int64_t group, int64_t dim, 
 #if defined(__AVX512F__)
   if constexpr (kDim > 0 && kDim % 16 == 0) {
     // Sixteen keys at a time, their scores one vector: no horizontal sum per key.
+    constexpr int64_t kRowLines = std::max<int64_t>(1, kDim * static_cast<int64_t>(sizeof(scalar_t)) / 64);
     for (; j < n; j += 16) {
       const int64_t m = std::min<int64_t>(16, n - j);
       if constexpr (!kBf16Dot<scalar_t, kDim>) to_float(rows + j * kDim, buffer, m * kDim);
@@ -260,7 +261,7 @@ void score_rows(const Query<scalar_t, kDim>* query, int64_t group, int64_t dim, 
             for (int64_t c = 0; c < kDim / 32; ++c) q[c] = (__m512bh)_mm512_loadu_si512(qg + c * 32);
             for (int64_t r = 0; r < 16; ++r) {
               acc[r] = _mm512_setzero_ps();
-              if (g == 0) lines.next(2);
+              if (g == 0) lines.next(kRowLines);
               if (whole() || r < m)
                 for (int64_t c = 0; c < kDim / 32; ++c)
                   acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(rows + (j + r) * kDim + c * 32),
@@ -273,7 +274,7 @@ void score_rows(const Query<scalar_t, kDim>* query, int64_t group, int64_t dim, 
             for (int64_t c = 0; c < kDim / 16; ++c) q[c] = _mm512_loadu_ps(qg + c * 16);
             for (int64_t r = 0; r < 16; ++r) {
               acc[r] = _mm512_setzero_ps();
-              if (g == 0) lines.next(2);
+              if (g == 0) lines.next(kRowLines);
               if (whole() || r < m)
                 for (int64_t c = 0; c < kDim / 16; ++c)
                   acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(buffer + r * kDim + c * 16), q[c], acc[r]);
@@ -450,7 +451,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
             // Rows a and b times their weights, each head's pair of them one int (a's in the low half).
             auto add_pair = [&](const scalar_t* a, const scalar_t* b, const auto& weight_pair) {
               __m512i x[kChunks], y[kChunks];
-              lines.next(4);
+              lines.next(2 * kChunks);  // the two rows' lines
               for (int64_t c = 0; c < kChunks; ++c) {
                 const __m512i ra = _mm512_loadu_si512(a + c * 32), rb = _mm512_loadu_si512(b + c * 32);
                 x[c] = _mm512_unpacklo_epi16(ra, rb);
