@@ -347,14 +347,15 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t* pos = positions.data_ptr<int64_t>();
   scalar_t* out_data = out.data_ptr<scalar_t>();
 
-  // A task is one (sequence, KV head); it reads keys first..num_keys-1 of its sequence.
+  // A task is one (sequence, KV head); it reads keys first..num_keys-1 of its sequence, in the blocks from the one
+  // holding key `first` (whose first key is `first_block`) on.
   struct Task {
-    int64_t seq, kv_head, first, num_keys;
+    int64_t seq, kv_head, first, first_block, num_keys;
   };
   auto task_at = [&](int64_t task) {
     const int64_t seq = task / kv_heads, num_keys = pos[seq] + 1;  // keys 0..pos, the new token's own included
-    return Task{seq, task % kv_heads, sliding_window > 0 ? std::max<int64_t>(0, num_keys - sliding_window) : 0,
-                num_keys};
+    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, num_keys - sliding_window) : 0;
+    return Task{seq, task % kv_heads, first, first - first % block_size, num_keys};
   };
   auto block_of = [&](const scalar_t* pool, const Task& t, int64_t start) {
     return pool + block_start(tables[t.seq * table_width + start / block_size], t.kv_head, kv_heads, block_size, dim);
@@ -375,11 +376,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     struct Walk {
       int64_t task, values, start;  // values: 0 while in a task's K blocks, 1 in its V blocks
     };
-    auto first_block_of = [&](int64_t task) {
-      const Task t = task_at(task);
-      return t.first - t.first % block_size;
-    };
-    Walk ahead{begin, 0, first_block_of(begin)};
+    Walk ahead{begin, 0, task_at(begin).first_block};
     auto block_ahead = [&]() -> LineRequests {  // the walk's next block; none past the thread's last task
       while (ahead.task < end) {
         const Task t = task_at(ahead.task);
@@ -390,14 +387,14 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         }
         // A pass over the task's blocks is done: on to its values, or to the next task's keys.
         ahead = ahead.values ? Walk{ahead.task + 1, 0, 0} : Walk{ahead.task, 1, 0};
-        if (ahead.task < end) ahead.start = first_block_of(ahead.task);
+        if (ahead.task < end) ahead.start = task_at(ahead.task).first_block;
       }
       return LineRequests(nullptr, 0);
     };
     for (int64_t i = 0; i < kBlocksAhead; ++i) block_ahead().rest();
     for (int64_t task = begin; task < end; ++task) {
       const Task t = task_at(task);
-      const int64_t first = t.first, num_keys = t.num_keys, span = num_keys - first;
+      const int64_t first = t.first, first_block = t.first_block, num_keys = t.num_keys, span = num_keys - first;
       const int64_t head = t.seq * num_heads + t.kv_head * group;  // the group's first query head
       const Query<scalar_t, kDim>* query_heads;
       if constexpr (kBf16Dot<scalar_t, kDim>) {
@@ -407,7 +404,6 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         query_heads = query.data();
       }
       scores.resize(group * span);
-      const int64_t first_block = first - first % block_size;
       for (int64_t start = first_block; start < num_keys; start += block_size) {
         LineRequests lines = block_ahead();
         const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
