@@ -1,7 +1,8 @@
 """Kernels of our own, in C++, for what PyTorch has no fast op for on CPU: decode attention that reads the paged KV
 pool in place, float linears on weights packed for them, the one-row matmul of int8 and int4 weights (and of float
 ones where the packed kernel is not built), the greedy argmax of a step's logits, and a decoder layer's per-token
-operations (RMSNorm, rotary, gated activation, the K/V cache write) in one pass each for the steps that run eagerly.
+operations (RMSNorm, rotary, gated activation, the K/V cache write) in one pass each for the steps that run eagerly
+(the gated activation in compiled graphs too).
 
 Contract: `load()` compiles the sources next to this file with the machine's C++ compiler (torch's extension
 builder; the first time only, then cached under TORCH_EXTENSIONS_DIR, one build per CPU, Python and torch, since
@@ -97,10 +98,12 @@ def prefill_available() -> bool:
 _POINTWISE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def pointwise_takes(x: torch.Tensor) -> bool:
-    """Whether the pointwise ops serve a layer given x: an eager step on CPU. A traced graph keeps PyTorch's ops,
-    which inductor fuses with their neighbours."""
-    return bool(_loaded) and x.is_cpu and x.dtype in _POINTWISE_DTYPES and not torch.compiler.is_compiling()
+def pointwise_takes(x: torch.Tensor, in_graphs: bool = False) -> bool:
+    """Whether the pointwise ops serve a layer given x: a step on CPU, eager, or traced too where `in_graphs` (the
+    gated activation, whose exp ours computes faster than inductor's kernel). Otherwise a traced graph keeps
+    PyTorch's ops, which inductor fuses with their neighbours."""
+    return (bool(_loaded) and x.is_cpu and x.dtype in _POINTWISE_DTYPES
+            and (in_graphs or not torch.compiler.is_compiling()))
 
 
 def packed_linear_available(dtype: torch.dtype) -> bool:

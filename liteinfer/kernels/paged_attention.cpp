@@ -19,6 +19,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "exp16.h"
+
 namespace {
 
 // Where a block's rows for one KV head start in a pool laid out [blocks, kv_heads, block_size, dim], in elements.
@@ -96,16 +98,7 @@ constexpr float kHidden = -1e30f;  // the score of a key a query may not see: e^
 // The mask of a vector's first min(n, 16) lanes: the rows or scores left when fewer than 16 remain.
 inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
 
-// e^x in 16 lanes: 2^(x log2 e) as 2^n (vscalefps, which also takes a hugely negative n to 0) times 2^f, |f| <= 1/2,
-// from the Taylor series of e^(f ln 2) to the 6th power (relative error ~1e-7).
-inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f));
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
+using liteinfer::exp16;
 
 // 16 elements of a cache row as fp32, in registers.
 inline __m512 widen16(const float* src) { return _mm512_loadu_ps(src); }

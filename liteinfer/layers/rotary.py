@@ -101,4 +101,7 @@ def rotate_queries_and_keys(
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate [T, heads, head_dim] by the positions' angles ("rotate half" layout)."""
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    half = x1.shape[-1]
+    cos1, sin1 = cos[..., :half], sin[..., :half]  # (the two halves of cos and sin are equal)
+    # x * cos + rotate_half(x) * sin, half by half: the same roundings, and no rotated copy of x for inductor to write.
+    return torch.cat([x1 * cos1 - x2 * sin1, x2 * cos1 + x1 * sin1], dim=-1)

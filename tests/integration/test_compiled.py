@@ -96,6 +96,15 @@ def test_both_graphs_multiply_through_the_packed_linear_kernel_from_cpp(compiled
     assert "mkldnn" not in code and "liteinfer::gemv" not in code
 
 
+def test_both_graphs_run_our_gated_activation_from_cpp(compiled):
+    """Each layer's SiLU(gate) * up runs kernels/pointwise.cpp's op (its exp faster than inductor's kernel for the
+    same expression), called from C++ as the linears are (through the boxed dispatcher: the op takes a string)."""
+    llm, code = compiled
+    num_layers = len(llm.engine.runner.model.model.layers)
+    assert code.count('findSchemaOrThrow("liteinfer::gated_activation"') == 2 * num_layers
+    assert "torch.ops.liteinfer.gated_activation" not in code
+
+
 def test_kv_pool_is_written_in_place_not_copied(compiled):
     """A graph that functionalised the pool's update would copy the whole pool back each step: a kernel looping
     over its size. The generated code has none; the control shows such a copy would be visible."""
