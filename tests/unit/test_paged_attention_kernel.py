@@ -51,12 +51,19 @@ def make_case(data, dtype, kv_heads, group, dim, block_size, window, softcap):
     block_size=st.sampled_from([1, 4, 16]),
     window=st.one_of(st.none(), st.integers(1, 20)),
     softcap=st.one_of(st.none(), st.floats(5.0, 50.0)),
+    threads=st.integers(1, 4),  # the kernel splits its tasks into one run per thread, by their keys
 )
-def test_kernel_matches_attention_over_gathered_blocks(data, dtype, kv_heads, group, dim, block_size, window, softcap):
+def test_kernel_matches_attention_over_gathered_blocks(data, dtype, kv_heads, group, dim, block_size, window, softcap,
+                                                       threads):
     assert kernels.load()
     attn, q, tables, positions = make_case(data, dtype, kv_heads, group, dim, block_size, window, softcap)
 
-    out = attn._attend_decodes(q, tables, positions)  # the kernel, on CPU
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = attn._attend_decodes(q, tables, positions)  # the kernel, on CPU
+    finally:
+        torch.set_num_threads(default_threads)
     keys, values = attn._gather(tables)
     expected = attn._attend_gathered_decodes(q, keys, values, positions)
 
