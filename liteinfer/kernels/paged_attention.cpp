@@ -557,7 +557,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     }
   };
   // Each thread takes a run of tasks with about as many keys as the others' runs: a batch's sequences differ in
-  // length, and an even split by count left a thread idle (3-5% slower with lengths 10-400, docs/benchmarks.md).
+  // length, and an even split by count left a thread idle (2-5% slower with lengths 10-500, docs/benchmarks.md).
   const int64_t num_tasks = num_seqs * kv_heads;
   const std::vector<int64_t> bounds =
       balanced_runs(num_tasks, std::min<int64_t>(at::get_num_threads(), num_tasks), [&](int64_t task) {
