@@ -170,38 +170,12 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
   return {q_out, k_out};
 }
 
-// act(gate) * up for gate_up [rows, 2 * size] (gate the first half of each row), the activation rounded to T
-// before the product as PyTorch's two ops round it. act: "silu", or "gelu_tanh" (GELU's tanh approximation).
-template <typename T, bool kGelu>
-void gate_rows(const at::Tensor& gate_up, at::Tensor& out) {
-  const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2;
-  const T* in = gate_up.data_ptr<T>();
-  T* od = out.data_ptr<T>();
-  at::parallel_for(0, rows, grain(size), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* gate = in + r * 2 * size;
-      const T* up = gate + size;
-      T* o = od + r * size;
-      for (int64_t d = 0; d < size; ++d) {
-        const float g = widen(gate[d]);
-        float act;
-        if constexpr (kGelu) {
-          act = 0.5f * g * (1.f + std::tanh(0.7978845608f * (g + 0.044715f * g * g * g)));
-        } else {
-          act = g / (1.f + std::exp(-g));
-        }
-        o[d] = narrow<T>(round_to<T>(act) * widen(up[d]));
-      }
-    }
-  });
-}
-
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define LITEINFER_SILU16
-// SiLU(gate) * up 16 lanes at a time for fp32 and bf16, as gate_rows<T, false> computes it but with the exp of
-// exp16.h and the division as a reciprocal refined once (a few fp32 steps from gate_rows' values): 1.7x its speed
-// on a decode step's 32 rows of SmolLM2 in bf16 and 1.9x on a prompt step's 1,315, and faster than inductor's
-// kernel for the same expression, so that compiled graphs call it too (layers/activation.py; docs/benchmarks.md).
+// SiLU(gate) * up 16 lanes at a time for fp32 and bf16 rows, as gate_rows computes it but with the exp of exp16.h
+// and the division as a reciprocal refined once (a few fp32 steps from the scalar loop's values): 1.7x its speed on
+// a decode step's 32 rows of SmolLM2 in bf16 and 1.9x on a prompt step's 1,315, and faster than inductor's kernel
+// for the same expression, so that compiled graphs call it too (layers/activation.py; docs/benchmarks.md).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -217,8 +191,26 @@ inline void store16(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+// The row's elements in whole vectors; returns how many (the caller's scalar loop takes the rest).
 template <typename T>
-void silu_rows16(const at::Tensor& gate_up, at::Tensor& out) {
+int64_t silu_row16(const T* gate, const T* up, T* o, int64_t size) {
+  int64_t d = 0;
+  for (; d + 16 <= size; d += 16) {
+    const __m512 g = load16(gate + d);
+    const __m512 minus_g = _mm512_sub_ps(_mm512_setzero_ps(), g);
+    const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.f), liteinfer::exp16(minus_g));
+    const __m512 estimate = _mm512_rcp14_ps(denominator);  // 14 bits; one Newton step doubles them
+    const __m512 reciprocal = _mm512_mul_ps(estimate, _mm512_fnmadd_ps(denominator, estimate, _mm512_set1_ps(2.f)));
+    store16(o + d, _mm512_mul_ps(round16(_mm512_mul_ps(g, reciprocal), o), load16(up + d)));
+  }
+  return d;
+}
+#endif
+
+// act(gate) * up for gate_up [rows, 2 * size] (gate the first half of each row), the activation rounded to T
+// before the product as PyTorch's two ops round it. act: "silu", or "gelu_tanh" (GELU's tanh approximation).
+template <typename T, bool kGelu>
+void gate_rows(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2;
   const T* in = gate_up.data_ptr<T>();
   T* od = out.data_ptr<T>();
@@ -228,23 +220,23 @@ void silu_rows16(const at::Tensor& gate_up, at::Tensor& out) {
       const T* up = gate + size;
       T* o = od + r * size;
       int64_t d = 0;
-      for (; d + 16 <= size; d += 16) {
-        const __m512 g = load16(gate + d);
-        const __m512 minus_g = _mm512_sub_ps(_mm512_setzero_ps(), g);
-        const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.f), liteinfer::exp16(minus_g));
-        const __m512 estimate = _mm512_rcp14_ps(denominator);  // 14 bits; one Newton step doubles them
-        const __m512 reciprocal =
-            _mm512_mul_ps(estimate, _mm512_fnmadd_ps(denominator, estimate, _mm512_set1_ps(2.f)));
-        store16(o + d, _mm512_mul_ps(round16(_mm512_mul_ps(g, reciprocal), o), load16(up + d)));
-      }
+#if defined(LITEINFER_SILU16)
+      if constexpr (!kGelu && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>))
+        d = silu_row16(gate, up, o, size);
+#endif
       for (; d < size; ++d) {
         const float g = widen(gate[d]);
-        o[d] = narrow<T>(round_to<T>(g / (1.f + std::exp(-g))) * widen(up[d]));
+        float act;
+        if constexpr (kGelu) {
+          act = 0.5f * g * (1.f + std::tanh(0.7978845608f * (g + 0.044715f * g * g * g)));
+        } else {
+          act = g / (1.f + std::exp(-g));
+        }
+        o[d] = narrow<T>(round_to<T>(act) * widen(up[d]));
       }
     }
   });
 }
-#endif
 
 at::Tensor gated_activation(const at::Tensor& gate_up, c10::string_view act) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
@@ -252,11 +244,6 @@ at::Tensor gated_activation(const at::Tensor& gate_up, c10::string_view act) {
   TORCH_CHECK(act == "silu" || act == "gelu_tanh", "gated_activation takes silu or gelu_tanh, not ", act);
   at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   LITEINFER_DISPATCH(gate_up.scalar_type(), "gated_activation", [&] {
-#if defined(LITEINFER_SILU16)
-    if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
-      if (act == "silu") return silu_rows16<scalar_t>(gate_up, out);
-    }
-#endif
     act == "silu" ? gate_rows<scalar_t, false>(gate_up, out) : gate_rows<scalar_t, true>(gate_up, out);
   });
   return out;

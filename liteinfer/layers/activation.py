@@ -26,7 +26,7 @@ class GatedActivation(nn.Module):
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         # SiLU in compiled graphs too: ours has a faster exp than inductor's kernel for it (SLEEF's accurate one),
-        # ~13 us less a layer in a decode step of 32 sequences of SmolLM2 (docs/benchmarks.md). GELU stays inductor's.
+        # ~10 us less a layer in a decode step of 32 sequences of SmolLM2 (docs/benchmarks.md). GELU stays inductor's.
         in_graphs = self.kernel_act == "silu"
         if kernels.pointwise_takes(gate_up, in_graphs) and gate_up.dim() == 2 and gate_up.is_contiguous():
             return torch.ops.liteinfer.gated_activation(gate_up, self.kernel_act)
