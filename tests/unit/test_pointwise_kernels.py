@@ -40,16 +40,28 @@ def through_kernel(op, layer_call):
     return out
 
 
-def assert_near(out, expected, floor=0.0):
+def assert_near(out, expected, floor=0.0, near_ties=None):
     """bf16/fp16: equal, or for a few elements a step of the dtype apart per rounding (an fp32 difference carried
-    through); fp32: within a few units in the last place. Either give or take `floor` (absolute)."""
+    through); fp32: within a few units in the last place. Either give or take `floor` (absolute). Given `near_ties`
+    (a mask), bf16/fp16 elements may differ there only, rather than a few anywhere."""
     assert out.dtype == expected.dtype and out.shape == expected.shape
     info = torch.finfo(expected.dtype)
     step = 1e-6 if expected.dtype == torch.float32 else info.eps
     off = (out.float() - expected.float()).abs()
     assert (off <= 2 * step * expected.float().abs().clamp(min=info.tiny) + floor).all()
     if expected.dtype != torch.float32:  # (in fp32 every element may differ in its last bits)
-        assert (off > floor).sum() <= max(1, 0.02 * off.numel())
+        differ = off > floor
+        if near_ties is None:
+            assert differ.sum() <= max(1, 0.02 * off.numel())
+        else:
+            assert near_ties[differ].all()
+
+
+def rounds_near_a_tie(exact, dtype, fp32_steps=4):
+    """Where `exact` (float64) lies within a few fp32 steps of the midpoint between two neighbours in `dtype`: two
+    fp32 computations that far apart may round it to either neighbour."""
+    margin = fp32_steps * torch.finfo(torch.float32).eps * exact.abs()
+    return (exact - margin).to(dtype) != (exact + margin).to(dtype)
 
 
 @settings(max_examples=40, deadline=None)
@@ -125,7 +137,12 @@ def test_gated_activation_matches_pytorch(dtype, rows, size, act, seed):
     # GELU's 1 + tanh(..) cancels for very negative gates, where two tanh implementations' last-bit differences
     # become relative errors of any size: absolutely, they stay a few fp32 steps of gate * up.
     gate, up = gate_up.float().chunk(2, dim=-1)
-    assert_near(out, expected, floor=8 * torch.finfo(torch.float32).eps * (gate * up).abs())
+    # Our SiLU (a 16-lane exp, a refined reciprocal) and PyTorch's are a few fp32 steps apart: they round the
+    # activation to different neighbours only where its exact value is that near a tie, and a gate value that recurs
+    # (bf16 has few) recurs with it, so the differences are held to those places rather than counted.
+    exact_silu = gate.double() / (1 + torch.exp(-gate.double()))
+    near_ties = rounds_near_a_tie(exact_silu, dtype) if act == "silu" else None
+    assert_near(out, expected, floor=8 * torch.finfo(torch.float32).eps * (gate * up).abs(), near_ties=near_ties)
 
 
 @settings(max_examples=40, deadline=None)
