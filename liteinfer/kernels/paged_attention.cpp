@@ -325,7 +325,6 @@ inline float softmax_numerators(float* s, int64_t n) {
 #endif
 }
 
-// kDim > 0 fixes the head size at compile time, so the loops over it unroll; 0 reads it from q.
 // Tasks 0..n-1 in `runs` consecutive runs of about equal work (`work(task)`), each run ending at the task
 // boundary nearest its share: the runs' bounds, runs + 1 of them (a run may be empty).
 template <typename Work>
@@ -348,6 +347,7 @@ std::vector<int64_t> balanced_runs(int64_t n, int64_t runs, const Work& work) {
 
 constexpr int64_t kTaskCost = 16;  // a decode task's work besides its keys (its query, softmax, output), in keys
 
+// kDim > 0 fixes the head size at compile time, so the loops over it unroll; 0 reads it from q.
 template <typename scalar_t, int64_t kDim>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& positions, at::Tensor& out, double scale,
