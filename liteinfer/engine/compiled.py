@@ -31,6 +31,7 @@ What the graph does differently from eager, and why:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import types
@@ -39,7 +40,9 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from liteinfer import kernels
 from liteinfer.cache import KVCache
 from liteinfer.engine.step_inputs import StepInputs
 from liteinfer.layers import AttentionMetadata
@@ -50,6 +53,21 @@ logger = logging.getLogger(__name__)
 def _decode_logits(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
     return model.compute_logits(model(input_ids, positions, meta))
+
+
+class _KeyedOnOurKernels(CustomGraphPass):
+    """A pass that changes nothing: its uuid, a hash of our kernels' sources, joins the key of inductor's on-disk
+    cache. The key covers the graph, not the ops it calls: after an op gained optional arguments, a graph compiled
+    against its old schema was found in the cache and called it with the old argument count (a segfault)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        pass
+
+    def uuid(self) -> str:
+        digest = hashlib.sha256()
+        for path in kernels.source_files():
+            digest.update(path.read_bytes())
+        return digest.hexdigest()
 
 
 def _next_power_of_two(n: int) -> int:
@@ -119,7 +137,8 @@ class CompiledDecoder:
         with (
             # The generated code's checks of every buffer's size and alignment: ~200 Python calls per step, on
             # tensors that dynamo's guards and the kernels' own checks already cover.
-            torch._inductor.config.patch(freezing=True, size_asserts=False, alignment_asserts=False),
+            torch._inductor.config.patch(freezing=True, size_asserts=False, alignment_asserts=False,
+                                         post_grad_custom_post_pass=_KeyedOnOurKernels()),
             # The graphs' kernels called from C++ (inductor's cpp_wrapper), not from a Python wrapper: 0.4-0.7 ms
             # less per step at 4-128 sequences (docs/benchmarks.md), cached on disk like the Python ones. CUDA
             # graphs replay the Python wrapper's kernels instead.

@@ -115,6 +115,12 @@ def packed_linear_available(dtype: torch.dtype) -> bool:
 
 SOURCES = ("paged_attention.cpp", "gemv.cpp", "packed_linear.cpp", "argmax.cpp", "pointwise.cpp")
 
+
+def source_files() -> list[Path]:
+    """The sources and the headers they include."""
+    here = Path(__file__).parent
+    return [here / source for source in SOURCES] + sorted(here.glob("*.h"))
+
 # torch's builder waits for as long as its lock file exists, and a build that was killed leaves it behind: one older
 # than this is taken as such a leftover (a build takes about a minute on 2 cores).
 STALE_LOCK_SECONDS = 15 * 60
@@ -136,7 +142,7 @@ def _build() -> None:
     remove_stale_lock(build_directory)
     cpp_extension.load(
         name=name,
-        sources=[str(Path(__file__).with_name(source)) for source in SOURCES],
+        sources=[str(path) for path in source_files() if path.suffix == ".cpp"],
         # -march=native: built for the CPU that runs it (hence one build per CPU). -ffast-math lets the compiler
         # vectorise exp and reassociate sums: attention and the GEMV see no infinities or NaNs; the argmax sees -inf
         # (masked logits), which its tests include.

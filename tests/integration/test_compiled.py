@@ -152,3 +152,17 @@ def test_async_llm_drives_the_compiled_engine_from_its_worker_thread(compiled, e
 def test_compile_with_tensor_parallelism_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="enforce_eager"):
         LLM(str(tiny_llama_dir), enforce_eager=False, tensor_parallel_size=2)
+
+
+def test_inductor_cache_is_keyed_on_our_kernel_sources(tmp_path, monkeypatch):
+    """Inductor's on-disk cache keys a graph on itself, not on the ops it calls: a graph compiled against an op's
+    old schema would be reused and call it with the old arguments. The pass in the compile options carries a hash of
+    our sources into the key."""
+    from liteinfer.engine.compiled import _KeyedOnOurKernels
+
+    source = tmp_path / "op.cpp"
+    source.write_text("void op(int a);")
+    monkeypatch.setattr(kernels, "source_files", lambda: [source])
+    before = _KeyedOnOurKernels().uuid()
+    source.write_text("void op(int a, int b);")
+    assert _KeyedOnOurKernels().uuid() != before
