@@ -26,6 +26,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None = sized from the memory budget below
     gpu_memory_utilization: float = 0.9  # share of GPU memory the weights + KV cache may take
     kv_cache_memory_bytes: int = 2 << 30  # CPU: bytes given to the KV cache
+    # auto: K/V in the model's dtype. int8 (CPU): each K/V row in bytes at its own scale, about half the bytes of
+    # bf16, so twice the tokens fit and decode attention reads half as much (layers/attention.py).
+    kv_cache_dtype: Literal["auto", "int8"] = "auto"
     scheduler: Literal["continuous", "static"] = "continuous"
     enable_prefix_caching: bool = True
     quantization: Literal["int8", "int4"] | None = None  # weight-only, CPU (layers/quantization.py)
@@ -69,6 +72,11 @@ class EngineConfig:
                 "gpu_memory_utilization", "must be in (0, 1]")
         require(self.kv_cache_memory_bytes >= 1, "kv_cache_memory_bytes", "must be >= 1")
         require(self.scheduler in ("continuous", "static"), "scheduler", "must be continuous or static")
+        require(self.kv_cache_dtype in ("auto", "int8"), "kv_cache_dtype", "must be auto or int8")
+        require(self.kv_cache_dtype != "int8" or self.device != "cuda", "kv_cache_dtype",
+                "int8 runs on CPU: it needs device='cpu'")
+        require(self.kv_cache_dtype != "int8" or self.block_size >= 4, "kv_cache_dtype",
+                "int8 interleaves four keys' values: it needs block_size >= 4")
         require(self.quantization in (None, "int8", "int4"), "quantization", "must be None, int8 or int4")
         require(self.quantization is None or self.device != "cuda", "quantization",
                 "runs on PyTorch's CPU kernels: it needs device='cpu'")

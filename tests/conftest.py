@@ -47,11 +47,12 @@ TINY_LLAMA_VARIANTS = {
 }
 
 
-def make_tiny_llama(directory: Path, tokenizer, variant: str, seed: int = 0):
-    """Save a random-weight transformers Llama of `variant` with the SmolLM2 tokenizer; return the HF model."""
+def make_tiny_llama(directory: Path, tokenizer, variant: str, seed: int = 0, **overrides):
+    """Save a random-weight transformers Llama of `variant` (config fields changed by `overrides`) with the SmolLM2
+    tokenizer; return the HF model."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
+    fields = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -62,6 +63,7 @@ def make_tiny_llama(directory: Path, tokenizer, variant: str, seed: int = 0):
         pad_token_id=tokenizer.pad_token_id,
         **TINY_LLAMA_VARIANTS[variant],
     )
+    config = LlamaConfig(**{**fields, **overrides})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     # Random weights give near-uniform logits, where greedy choices are all near-ties; a larger scale makes the

@@ -11,7 +11,7 @@ from liteinfer.layers import PagedAttention
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, int8: bool = False):
         # A block's K (or V) rows for each KV head in turn: [blocks, kv_heads, block_size, dim]. The CPU kernels read
         # a sequence's blocks where they lie, and a block's heads side by side keep those reads together (SmolLM2:
         # one 6 KB run per block instead of three 2 KB runs in three far parts of the pool). Decode attention took
@@ -22,24 +22,31 @@ class KVCache:
         # Zeroed, not empty: attention over a gathered copy (CUDA, or CPU without liteinfer.kernels) multiplies
         # masked-out (probability 0) slots by their values, and 0 * NaN from uninitialised memory would poison the
         # output. The CPU kernel never reads past a sequence's position.
+        # int8 (kv_cache_dtype="int8"): K as uint8, V as int8 with four keys' elements side by side, each row's scale
+        # in k_scales / v_scales (the layout is in liteinfer/kernels/__init__.py; PagedAttention writes it).
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        v_shape = (num_blocks, num_kv_heads, block_size // 4, head_dim, 4) if int8 else shape
+        self.k = [_zeros(shape, torch.uint8 if int8 else dtype, device) for _ in range(num_layers)]
+        self.v = [_zeros(v_shape, torch.int8 if int8 else dtype, device) for _ in range(num_layers)]
+        self.k_scales = [_zeros(shape[:3], torch.float32, device) if int8 else None for _ in range(num_layers)]
+        self.v_scales = [_zeros(shape[:3], torch.float32, device) if int8 else None for _ in range(num_layers)]
         self.device = device
         self.num_blocks = num_blocks
         self.block_size = block_size
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        int8: bool = False) -> int:
+        row_bytes = head_dim + 4 if int8 else head_dim * dtype.itemsize  # int8: a byte an element and an fp32 scale
+        return 2 * num_layers * block_size * num_kv_heads * row_bytes
 
     def bind(self, model: nn.Module) -> None:
         """Point each attention layer, in model order, at its own slice of the pool."""
         layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         if len(layers) != len(self.k):
             raise ValueError(f"model has {len(layers)} attention layers, the cache was sized for {len(self.k)}")
-        for attn, k, v in zip(layers, self.k, self.v):
-            attn.k_cache, attn.v_cache = k, v
+        for attn, k, v, k_scales, v_scales in zip(layers, self.k, self.v, self.k_scales, self.v_scales):
+            attn.k_cache, attn.v_cache, attn.k_scales, attn.v_scales = k, v, k_scales, v_scales
         if self.device.type == "cpu":
             kernels.load()  # the decode attention that reads these pools where they lie
 

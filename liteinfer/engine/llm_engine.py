@@ -70,7 +70,7 @@ class LLMEngine:
 
         # Rank 0 of tensor parallelism is this process; ranks 1..N-1 are worker processes (engine/workers.py).
         spec = ShardSpec(source, self.hf_config, self.dtype, self.device.type, config.block_size,
-                         torch.get_num_threads(), config.quantization)
+                         torch.get_num_threads(), config.quantization, config.kv_cache_dtype == "int8")
         self.tp, self.workers = TensorParallelGroup(), None
         if config.tensor_parallel_size > 1:
             self._check_tensor_parallel()
@@ -136,7 +136,8 @@ class LLMEngine:
         """This rank's pool (its share of the KV heads); every rank gets the same number of blocks."""
         cfg = self.config
         num_layers, num_kv_heads, head_dim = spec.kv_cache_dims(self.tp)
-        block_bytes = KVCache.bytes_per_block(num_layers, cfg.block_size, num_kv_heads, head_dim, self.dtype)
+        block_bytes = KVCache.bytes_per_block(num_layers, cfg.block_size, num_kv_heads, head_dim, self.dtype,
+                                              spec.kv_cache_int8)
         blocks_per_seq = -(-self.max_model_len // cfg.block_size)
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks

@@ -66,6 +66,7 @@ class ShardSpec:
     block_size: int
     num_threads: int  # torch CPU threads per rank, as rank 0 has them
     quantization: str | None = None  # int8 | int4 weight-only, see layers/quantization.py
+    kv_cache_int8: bool = False  # kv_cache_dtype="int8", see cache/kv_cache.py
 
     def device(self, rank: int) -> torch.device:
         return torch.device("cuda", rank) if self.device_type == "cuda" else torch.device("cpu")
@@ -92,7 +93,8 @@ class ShardSpec:
 
     def kv_cache(self, tp: TensorParallelGroup, num_blocks: int, device: torch.device) -> KVCache:
         num_layers, num_kv_heads, head_dim = self.kv_cache_dims(tp)
-        return KVCache(num_layers, num_blocks, self.block_size, num_kv_heads, head_dim, self.dtype, device)
+        return KVCache(num_layers, num_blocks, self.block_size, num_kv_heads, head_dim, self.dtype, device,
+                       self.kv_cache_int8)
 
 
 def pack_weights(model: nn.Module, onednn: bool = True) -> None:

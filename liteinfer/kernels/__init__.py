@@ -14,17 +14,26 @@ test_argmax_kernel.py and test_pointwise_kernels.py hold the ops to.
 `available()` only reports what `load()` did, so that a traced forward can ask without building anything.
 
 `paged_decode_attention(q [seqs, heads, dim], k_cache, v_cache [blocks, kv_heads, block_size, dim],
-block_tables [seqs, width] int64, positions [seqs] int64, scale, sliding_window (0: none), softcap (0: none))`
--> [seqs, heads, dim]: each query attends to keys 0..its position (the last `sliding_window` of them when set) of
-its sequence, read through its block table; grouped query heads share a KV head; softmax in fp32. With bf16 pools
-on CPUs with AVX-512 BF16 the softmax weights are rounded to bf16 before they multiply the values (as in the
-prompt kernel), the sums kept in fp32.
+block_tables [seqs, width] int64, positions [seqs] int64, scale, sliding_window (0: none), softcap (0: none),
+k_scales=None, v_scales=None)` -> [seqs, heads, dim]: each query attends to keys 0..its position (the last
+`sliding_window` of them when set) of its sequence, read through its block table; grouped query heads share a KV
+head; softmax in fp32. With bf16 pools on CPUs with AVX-512 BF16 the softmax weights are rounded to bf16 before
+they multiply the values (as in the prompt kernel), the sums kept in fp32.
+
+int8 pools (`kv_cache_dtype="int8"`, cache/kv_cache.py; both ops, on CPUs with AVX-512 VNNI:
+`int8_pools_available()`; head sizes 64 and 128, blocks of a multiple of 16 keys) come with their rows' scales
+`k_scales, v_scales [blocks, kv_heads, block_size]` fp32: key row r of a block is (k_cache row r - 128) times its
+scale (K uint8 [blocks, kv_heads, block_size, dim]), and value row r is v_cache[block, head, r // 4, :, r % 4] times
+its scale (V int8 [blocks, kv_heads, block_size / 4, dim, 4]: four keys' elements side by side). The decode op then
+also rounds each query head to int8 levels (its largest |element| / 127) and each head's softmax weights times the
+keys' V scales to uint8 levels (their largest / 255), so that both passes multiply bytes.
 
 `paged_prefill_attention(q [tokens, heads, dim], k_cache, v_cache, block_tables [spans, width] int64,
 query_starts [spans + 1] int64, positions [tokens] int64, scale, sliding_window (0: none))` -> [tokens, heads, dim]:
 span s is rows query_starts[s]..query_starts[s + 1] of q, each row attending to keys 0..its position of that span's
 sequence (the last `sliding_window` when set), read through block_tables[s]; head sizes 64 and 128, no soft-capping;
-built on AVX-512 CPUs only (`prefill_available()`).
+built on AVX-512 CPUs only (`prefill_available()`); k_scales=None, v_scales=None as in the decode op (int8 pools'
+rows dequantized to q's dtype).
 
 `packed_linear(x [rows, in], weight [out / 16, in / pair, 16, pair], bias [out] or None)` -> [rows, out] =
 x W^T (+ bias), summed in fp32, in x's dtype (fp32: pair 1; bf16: pair 2), for W [out, in] packed by
@@ -53,7 +62,9 @@ rotated "rotate half" style (each head's row contiguous, rows at any stride); `g
 [rows, 2 * size], act: "silu" or "gelu_tanh")` -> act(gate) * up, gate the first half of each row;
 `write_kv(k, v [tokens, kv_heads, dim], k_cache, v_cache, slot_blocks, slot_offsets [tokens] int64)` copies each
 token's K and V into row slot_offsets[t] of block slot_blocks[t] of the pools (in place; a slot outside the pool
-is refused).
+is refused); `write_kv_int8(k, v, k_cache, v_cache, k_scales, v_scales, slot_blocks, slot_offsets)` the same
+into int8 pools (the layout above), each row at its own scale, its largest |element| / 127 (levels
+round(x * (127 / largest))).
 """
 
 from __future__ import annotations
@@ -71,15 +82,17 @@ import torch
 logger = logging.getLogger(__name__)
 
 _loaded: bool | None = None  # None until load() has run
+_int8_pools = False  # what the build reports, kept here so that a traced forward can ask without calling an op
 
 
 def load() -> bool:
     """Build (first time only) and register the ops; False, with a warning logged, where they cannot be built."""
-    global _loaded
+    global _loaded, _int8_pools
     if _loaded is None:
         try:
             _build()
             _loaded = True
+            _int8_pools = torch.ops.liteinfer.int8_pools_available()
         except Exception as exc:  # no compiler, or a broken tool chain: the PyTorch path still works
             logger.warning("liteinfer's CPU kernels could not be built, using the PyTorch path instead: %s", exc)
             _loaded = False
@@ -93,6 +106,11 @@ def available() -> bool:
 def prefill_available() -> bool:
     """Prompt attention is built for AVX-512 CPUs only; elsewhere prompts keep PyTorch's SDPA."""
     return available() and hasattr(torch.ops.liteinfer, "paged_prefill_attention")
+
+
+def int8_pools_available() -> bool:
+    """Whether the attention ops read int8 pools (kv_cache_dtype="int8"): built for CPUs with AVX-512 VNNI."""
+    return available() and _int8_pools
 
 
 _POINTWISE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -153,7 +171,7 @@ def _build() -> None:
     )
 
     @torch.library.register_fake("liteinfer::paged_decode_attention")
-    def _(q, k_cache, v_cache, block_tables, positions, scale, sliding_window, softcap):
+    def _(q, k_cache, v_cache, block_tables, positions, scale, sliding_window, softcap, k_scales=None, v_scales=None):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("liteinfer::gemv")
@@ -169,7 +187,8 @@ def _build() -> None:
     if hasattr(torch.ops.liteinfer, "paged_prefill_attention"):
 
         @torch.library.register_fake("liteinfer::paged_prefill_attention")
-        def _(q, k_cache, v_cache, block_tables, query_starts, positions, scale, sliding_window):
+        def _(q, k_cache, v_cache, block_tables, query_starts, positions, scale, sliding_window, k_scales=None,
+              v_scales=None):
             return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("liteinfer::argmax")
@@ -194,6 +213,10 @@ def _build() -> None:
 
     @torch.library.register_fake("liteinfer::write_kv")
     def _(k, v, k_cache, v_cache, slot_blocks, slot_offsets):
+        return None
+
+    @torch.library.register_fake("liteinfer::write_kv_int8")
+    def _(k, v, k_cache, v_cache, k_scales, v_scales, slot_blocks, slot_offsets):
         return None
 
 

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -58,21 +59,33 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 #if defined(__AVX512F__)
 // The lane sums of 16 vectors as one vector: out[j] = sum of v[j]'s lanes. A transposing add tree, ~3 instructions
-// per vector where reducing each on its own takes ~8.
-inline __m512 sum_lanes_16(const __m512* v) {
+// per vector where reducing each on its own takes ~8. `add` sums two vectors lane by lane: the shuffles only move
+// bits, so the same tree sums int32 lanes (sum_lanes_16_epi32).
+template <typename Add>
+inline __m512 sum_lanes_16(const __m512* v, const Add& add) {
   __m512 pairs[8], quads[4];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: [v0 0+2, v1 0+2, v0 1+3, v1 1+3]
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    pairs[i] = add(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
   for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the partial sums of four vectors, in order
     const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    quads[i] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
   // The four 128-bit lanes of each quad summed, quads 0-3 becoming lanes 0-3 of the result.
-  const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
-                                 _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
-  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
-                                 _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  const __m512 x = add(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 y = add(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return add(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+
+inline __m512 sum_lanes_16(const __m512* v) {
+  return sum_lanes_16(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+}
+
+inline __m512i sum_lanes_16_epi32(const __m512i* v) {
+  __m512 bits[16];
+  for (int i = 0; i < 16; ++i) bits[i] = _mm512_castsi512_ps(v[i]);
+  return _mm512_castps_si512(sum_lanes_16(bits, [](__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  }));
 }
 #endif
 
@@ -347,17 +360,29 @@ std::vector<int64_t> balanced_runs(int64_t n, int64_t runs, const Work& work) {
 
 constexpr int64_t kTaskCost = 16;  // a decode task's work besides its keys (its query, softmax, output), in keys
 
-// kDim > 0 fixes the head size at compile time, so the loops over it unroll; 0 reads it from q.
-template <typename scalar_t, int64_t kDim>
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// int8 pools (kernels/__init__.py gives their layout): both passes multiply bytes with vpdpbusd, 64 products an
+// instruction where vdpbf16ps takes 32, so the query and the softmax weights are rounded to 8-bit levels too.
+#define LITEINFER_DECODE_INT8
+constexpr bool kInt8Pools = true;
+#else
+constexpr bool kInt8Pools = false;
+#endif
+
+// scalar_t: q's dtype; kv_t: the pools', q's own or uint8_t for int8 pools (their rows' scales in k_scales and
+// v_scales). kDim > 0 fixes the head size at compile time, so the loops over it unroll; 0 reads it from q.
+template <typename scalar_t, typename kv_t, int64_t kDim>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& block_tables, const at::Tensor& positions, at::Tensor& out, double scale,
-                      int64_t sliding_window, double softcap) {
+                      const float* k_scales, const float* v_scales, const at::Tensor& block_tables,
+                      const at::Tensor& positions, at::Tensor& out, double scale, int64_t sliding_window,
+                      double softcap) {
+  constexpr bool kInt8 = std::is_same_v<kv_t, uint8_t>;
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), dim = kDim > 0 ? kDim : q.size(2);
   const int64_t kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = num_heads / kv_heads, table_width = block_tables.size(1);
   const scalar_t* q_data = q.data_ptr<scalar_t>();
-  const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
+  const kv_t* k_data = static_cast<const kv_t*>(k_cache.data_ptr());
+  const kv_t* v_data = static_cast<const kv_t*>(v_cache.data_ptr());
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   scalar_t* out_data = out.data_ptr<scalar_t>();
@@ -372,16 +397,23 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, num_keys - sliding_window) : 0;
     return Task{seq, task % kv_heads, first, first - first % block_size, num_keys};
   };
-  auto block_of = [&](const scalar_t* pool, const Task& t, int64_t start) {
-    return pool + block_start(tables[t.seq * table_width + start / block_size], t.kv_head, kv_heads, block_size, dim);
+  auto block_of = [&](const auto* pool, const Task& t, int64_t start) {  // a pool's block, or its rows' scales
+    const int64_t row = std::is_same_v<decltype(pool), const float*> && kInt8 ? 1 : dim;
+    return pool + block_start(tables[t.seq * table_width + start / block_size], t.kv_head, kv_heads, block_size, row);
   };
-  const int64_t block_bytes = block_size * dim * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t block_bytes = block_size * dim * static_cast<int64_t>(sizeof(kv_t));
 
   // The query heads of a task's group share every row read.
   auto run_tasks = [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * dim), krows(16 * dim), vblock(block_size * dim), acc(group * dim), scores;
     std::vector<float> denom(group);
     std::vector<uint16_t> weights;  // with bf16 values, their softmax weights as bf16 bits
+    // With int8 pools: the group's queries as bytes, each one's scale and its bytes' sum; the softmax weights times
+    // each key's V scale, in fp32 and as bytes, and each head's scale of those bytes.
+    std::vector<int8_t> query_bytes(group * dim);
+    std::vector<int32_t> query_sum(group);
+    std::vector<float> query_scale(group), weighted, weight_scale(group);
+    std::vector<uint8_t> weight_bytes;
     // Blocks lie anywhere in the pool, so the hardware prefetcher cannot run ahead across them: they are requested
     // by hand (measured: DRAM-latency bound without it), into L2 (locality hint 1), not L1, which a few tasks'
     // blocks outgrow (~1.5x faster from DRAM on AMD Zen 4). The thread walks its blocks in the order it reads them
@@ -396,7 +428,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       while (ahead.task < end) {
         const Task t = task_at(ahead.task);
         if (ahead.start < t.num_keys) {
-          const scalar_t* block = block_of(ahead.values ? v_data : k_data, t, ahead.start);
+          const kv_t* block = block_of(ahead.values ? v_data : k_data, t, ahead.start);
+          if constexpr (kInt8) __builtin_prefetch(block_of(ahead.values ? v_scales : k_scales, t, ahead.start), 0, 1);
           ahead.start += block_size;
           return LineRequests(block, block_bytes);
         }
@@ -411,20 +444,71 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       const Task t = task_at(task);
       const int64_t first = t.first, first_block = t.first_block, num_keys = t.num_keys, span = num_keys - first;
       const int64_t head = t.seq * num_heads + t.kv_head * group;  // the group's first query head
-      const Query<scalar_t, kDim>* query_heads;
-      if constexpr (kBf16Dot<scalar_t, kDim>) {
-        query_heads = q_data + head * dim;
-      } else {
-        to_float(q_data + head * dim, query.data(), group * dim);
-        query_heads = query.data();
-      }
       scores.resize(group * span);
-      for (int64_t start = first_block; start < num_keys; start += block_size) {
-        LineRequests lines = block_ahead();
-        const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
-        score_rows<scalar_t, kDim>(query_heads, group, dim, block_of(k_data, t, start) + (lo - start) * dim, hi - lo,
-                                   static_cast<float>(scale), krows.data(), scores.data() + (lo - first), span, lines);
-        lines.rest();
+      if constexpr (kInt8) {
+#if defined(LITEINFER_DECODE_INT8)
+        // Each query head as signed bytes at its own scale (its largest |element| / 127). K is stored as k + 128
+        // (unsigned, as vpdpbusd takes it), so q·k = q·K - 128 Σq.
+        for (int64_t g = 0; g < group; ++g) {
+          to_float(q_data + (head + g) * kDim, query.data(), kDim);
+          __m512 top = _mm512_setzero_ps();
+          for (int64_t c = 0; c < kDim / 16; ++c)
+            top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(query.data() + c * 16)));
+          const float largest = _mm512_reduce_max_ps(top);
+          const __m512 to_levels = _mm512_set1_ps(largest > 0 ? 127.f / largest : 0.f);
+          __m512i sum = _mm512_setzero_si512();
+          for (int64_t c = 0; c < kDim / 16; ++c) {
+            const __m512i levels = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(query.data() + c * 16), to_levels));
+            sum = _mm512_add_epi32(sum, levels);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(query_bytes.data() + g * kDim + c * 16),
+                             _mm512_cvtsepi32_epi8(levels));
+          }
+          query_sum[g] = _mm512_reduce_add_epi32(sum);
+          query_scale[g] = static_cast<float>(scale) * largest / 127.f;
+        }
+        constexpr int64_t kRowLines = std::max<int64_t>(1, kDim / 64);
+        for (int64_t start = first_block; start < num_keys; start += block_size) {
+          LineRequests lines = block_ahead();
+          const uint8_t* rows = block_of(k_data, t, start);
+          const float* row_scales = block_of(k_scales, t, start);
+          const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
+          for (int64_t p0 = lo - (lo - start) % 16; p0 < hi; p0 += 16) {  // panels of 16 keys from the block's start
+            const int64_t a = std::max(lo, p0) - p0, b = std::min(hi, p0 + 16) - p0;  // the panel's keys read
+            for (int64_t g = 0; g < group; ++g) {
+              __m512i q8[kDim / 64], acc[16];
+              for (int64_t c = 0; c < kDim / 64; ++c) q8[c] = _mm512_loadu_si512(query_bytes.data() + g * kDim + c * 64);
+              for (int64_t r = 0; r < 16; ++r) {
+                acc[r] = _mm512_setzero_si512();
+                if (g == 0) lines.next(kRowLines);
+                for (int64_t c = 0; c < kDim / 64; ++c)
+                  acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512(rows + (p0 - start + r) * kDim + c * 64), q8[c]);
+              }
+              const __m512i dots = _mm512_sub_epi32(sum_lanes_16_epi32(acc), _mm512_set1_epi32(128 * query_sum[g]));
+              alignas(64) float panel[16];
+              _mm512_store_ps(panel, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_set1_ps(query_scale[g])),
+                                                   _mm512_loadu_ps(row_scales + p0 - start)));
+              std::copy(panel + a, panel + b, scores.data() + g * span + (p0 + a - first));
+            }
+          }
+          lines.rest();
+        }
+#endif
+      } else {
+        const Query<scalar_t, kDim>* query_heads;
+        if constexpr (kBf16Dot<scalar_t, kDim>) {
+          query_heads = q_data + head * dim;
+        } else {
+          to_float(q_data + head * dim, query.data(), group * dim);
+          query_heads = query.data();
+        }
+        for (int64_t start = first_block; start < num_keys; start += block_size) {
+          LineRequests lines = block_ahead();
+          const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
+          score_rows<scalar_t, kDim>(query_heads, group, dim, block_of(k_data, t, start) + (lo - start) * dim,
+                                     hi - lo, static_cast<float>(scale), krows.data(), scores.data() + (lo - first),
+                                     span, lines);
+          lines.rest();
+        }
       }
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * span;
@@ -432,6 +516,72 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           for (int64_t j = 0; j < span; ++j) sg[j] = static_cast<float>(std::tanh(sg[j] / softcap) * softcap);
         denom[g] = softmax_numerators(sg, span);
       }
+      if constexpr (kInt8) {
+#if defined(LITEINFER_DECODE_INT8)
+        // Values: each key's weight times its V row's scale, as unsigned bytes (255 the head's largest), four keys'
+        // bytes one int that vpdpbusd multiplies by the four keys' interleaved elements. A head's weights lie from
+        // its first block's first key in whole blocks, zero for keys not read.
+        const int64_t stride = (num_keys - first_block + block_size - 1) / block_size * block_size;
+        weighted.assign(group * stride, 0.f);
+        weight_bytes.resize(group * stride);
+        for (int64_t start = first_block; start < num_keys; start += block_size) {
+          const float* row_scales = block_of(v_scales, t, start);
+          const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
+          for (int64_t g = 0; g < group; ++g)
+            for (int64_t j = lo; j < hi; ++j)
+              weighted[g * stride + j - first_block] = scores[g * span + j - first] * row_scales[j - start];
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const float* wg = weighted.data() + g * stride;
+          __m512 top = _mm512_setzero_ps();
+          for (int64_t j = 0; j < stride; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(wg + j));
+          const float largest = _mm512_reduce_max_ps(top);
+          const __m512 to_levels = _mm512_set1_ps(largest > 0 ? 255.f / largest : 0.f);
+          for (int64_t j = 0; j < stride; j += 16)
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(weight_bytes.data() + g * stride + j),
+                             _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(wg + j), to_levels))));
+          if (largest > 0) denom[g] *= 255.f / largest;  // the output's sums are in units of largest / 255
+        }
+        // The int32 sums move into the fp32 ones every kFlushBlocks blocks: a block adds at most 16 x 255 x 127
+        // to a lane, so they cannot overflow before 4,000 blocks.
+        constexpr int64_t kVecs = kDim / 16, kHeads = std::max<int64_t>(1, 16 / kVecs), kFlushBlocks = 2048;
+        constexpr int64_t kQuadLines = kDim * 4 / 64;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for_head_passes<kHeads>(group, [&](auto heads, int64_t g0) {
+          __m512i a[heads()][kVecs];
+          auto flush = [&]() {
+            for (int64_t h = 0; h < heads(); ++h)
+              for (int64_t c = 0; c < kVecs; ++c) {
+                float* dst = acc.data() + (g0 + h) * kDim + c * 16;
+                _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), _mm512_cvtepi32_ps(a[h][c])));
+                a[h][c] = _mm512_setzero_si512();
+              }
+          };
+          for (int64_t h = 0; h < heads(); ++h)
+            for (int64_t c = 0; c < kVecs; ++c) a[h][c] = _mm512_setzero_si512();
+          for (int64_t start = first_block, blocks = 1; start < num_keys; start += block_size, ++blocks) {
+            LineRequests lines = g0 == 0 ? block_ahead() : LineRequests(nullptr, 0);  // the first pass walks on
+            const int8_t* quads = reinterpret_cast<const int8_t*>(block_of(v_data, t, start));
+            const uint8_t* w = weight_bytes.data() + g0 * stride + (start - first_block);
+            const int64_t n = (std::min(start + block_size, num_keys) - start + 3) / 4;
+            for (int64_t quad = 0; quad < n; ++quad) {
+              lines.next(kQuadLines);
+              __m512i v[kVecs];
+              for (int64_t c = 0; c < kVecs; ++c) v[c] = _mm512_loadu_si512(quads + (quad * kDim + c * 16) * 4);
+              for (int64_t h = 0; h < heads(); ++h) {
+                int32_t four;
+                std::memcpy(&four, w + h * stride + quad * 4, sizeof(four));
+                const __m512i weights4 = _mm512_set1_epi32(four);
+                for (int64_t c = 0; c < kVecs; ++c) a[h][c] = _mm512_dpbusd_epi32(a[h][c], weights4, v[c]);
+              }
+            }
+            lines.rest();
+            if (blocks % kFlushBlocks == 0) flush();
+          }
+          flush();
+        });
+#endif
+      } else
 #if defined(__AVX512F__)
       if constexpr (kBf16Dot<scalar_t, kDim>) {
 #if defined(__AVX512BF16__)
@@ -570,21 +720,45 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   });
 }
 
-// What both attention ops ask of q and the pools.
-void check_query_and_pools(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "expected q [queries, heads, dim] and K/V pools [blocks, kv_heads, block_size, dim]");
+// What both attention ops ask of q and the pools: the pools in q's dtype, or int8 pools (uint8 K, int8 V
+// [blocks, kv_heads, block_size / 4, dim, 4]) with their rows' scales [blocks, kv_heads, block_size] fp32; true for
+// int8 pools.
+bool check_query_and_pools(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales) {
+  const bool int8 = k_scales.has_value();
+  TORCH_CHECK(int8 == v_scales.has_value(), "give both pools' scales or neither");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "expected q [queries, heads, dim] and pools [blocks, kv_heads, "
+              "block_size, dim]");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0,
               "q's head size or head count does not fit the pools");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the pools must share a dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pools must be contiguous");
+  if (!int8) {
+    TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "expected K and V pools of one shape");
+    TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+                "q and the pools must share a dtype");
+    return false;
+  }
+  TORCH_CHECK(k_cache.scalar_type() == at::kByte && v_cache.scalar_type() == at::kChar,
+              "int8 pools (scales given) hold K as uint8 and V as int8");
+  TORCH_CHECK(k_cache.size(2) % 4 == 0 && v_cache.dim() == 5 &&
+                  v_cache.sizes() == at::IntArrayRef({k_cache.size(0), k_cache.size(1), k_cache.size(2) / 4,
+                                                      k_cache.size(3), 4}),
+              "an int8 V pool is [blocks, kv_heads, block_size / 4, dim, 4]");
+  for (const at::Tensor* s : {&*k_scales, &*v_scales})
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 3 &&
+                    s->sizes() == k_cache.sizes().slice(0, 3),
+                "the pools' scales must be fp32 [blocks, kv_heads, block_size], contiguous");
+  TORCH_CHECK(kInt8Pools, "int8 pools need a CPU with AVX-512 VNNI (kernels.int8_pools_available())");
+  TORCH_CHECK((q.size(2) == 64 || q.size(2) == 128) && k_cache.size(2) % 16 == 0,
+              "int8 pools take head sizes 64 and 128 and blocks of a multiple of 16 keys");
+  return true;
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& positions, double scale,
-                                  int64_t sliding_window, double softcap) {
-  check_query_and_pools(q, k_cache, v_cache);
+                                  int64_t sliding_window, double softcap, const std::optional<at::Tensor>& k_scales,
+                                  const std::optional<at::Tensor>& v_scales) {
+  const bool int8 = check_query_and_pools(q, k_cache, v_cache, k_scales, v_scales);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
               "block tables and positions must be int64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && positions.numel() == q.size(0),
@@ -592,13 +766,24 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const at::Tensor q_ = q.contiguous(), tables = block_tables.contiguous(), pos = positions.contiguous();
   at::Tensor out = at::empty_like(q_);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    switch (q.size(2)) {
-      case 64: return decode_attention<scalar_t, 64>(q_, k_cache, v_cache, tables, pos, out, scale, sliding_window,
-                                                    softcap);
-      case 128: return decode_attention<scalar_t, 128>(q_, k_cache, v_cache, tables, pos, out, scale,
+#if defined(LITEINFER_DECODE_INT8)
+    if (int8) {
+      const float* ks = k_scales->data_ptr<float>();
+      const float* vs = v_scales->data_ptr<float>();
+      if (q.size(2) == 64)
+        return decode_attention<scalar_t, uint8_t, 64>(q_, k_cache, v_cache, ks, vs, tables, pos, out, scale,
+                                                       sliding_window, softcap);
+      return decode_attention<scalar_t, uint8_t, 128>(q_, k_cache, v_cache, ks, vs, tables, pos, out, scale,
                                                       sliding_window, softcap);
-      default: return decode_attention<scalar_t, 0>(q_, k_cache, v_cache, tables, pos, out, scale, sliding_window,
-                                                   softcap);
+    }
+#endif
+    switch (q.size(2)) {
+      case 64: return decode_attention<scalar_t, scalar_t, 64>(q_, k_cache, v_cache, nullptr, nullptr, tables, pos,
+                                                              out, scale, sliding_window, softcap);
+      case 128: return decode_attention<scalar_t, scalar_t, 128>(q_, k_cache, v_cache, nullptr, nullptr, tables, pos,
+                                                                out, scale, sliding_window, softcap);
+      default: return decode_attention<scalar_t, scalar_t, 0>(q_, k_cache, v_cache, nullptr, nullptr, tables, pos,
+                                                             out, scale, sliding_window, softcap);
     }
   });
   return out;
@@ -639,16 +824,21 @@ inline void panel_scores(const T* const* queries, const T* panel, float scale, f
 // (or bf16 pair products) of broadcast query elements with panel rows (four queries per panel read), softmax online
 // (a running max and sum per query), the values summed in registers (in bf16, the softmax weights rounded to bf16
 // for the pair products, as PyTorch's flash attention rounds them).
+// int8 pools (k_scales and v_scales given) are laid out in panels dequantized, in q's dtype.
 template <typename scalar_t, int64_t kDim>
 void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& block_tables, const at::Tensor& starts_t, const at::Tensor& positions,
-                       at::Tensor& out, double scale, int64_t sliding_window) {
+                       const float* k_scales, const float* v_scales, const at::Tensor& block_tables,
+                       const at::Tensor& starts_t, const at::Tensor& positions, at::Tensor& out, double scale,
+                       int64_t sliding_window) {
   constexpr int64_t kRowsPerTask = 16, kPanel = 16;
   const int64_t num_heads = q.size(1), kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = num_heads / kv_heads, table_width = block_tables.size(1), spans = starts_t.numel() - 1;
   const scalar_t* q_data = q.data_ptr<scalar_t>();
-  const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
+  const bool int8 = k_scales != nullptr;
+  const scalar_t* k_data = int8 ? nullptr : k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_data = int8 ? nullptr : v_cache.data_ptr<scalar_t>();
+  const uint8_t* k_bytes = int8 ? k_cache.data_ptr<uint8_t>() : nullptr;
+  const int8_t* v_bytes = int8 ? v_cache.data_ptr<int8_t>() : nullptr;
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* starts = starts_t.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -682,9 +872,16 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
           for (int64_t d = 0; d < kDim; ++d) kp[k_index(j, d)] = vp[v_index(j, d)] = Panel(0.f);
           continue;
         }
-        const int64_t offset = block_start(tables[s * table_width + key / block_size], h, kv_heads, block_size, kDim) +
-                               key % block_size * kDim;
-        if constexpr (kBf16) {
+        const int64_t block = tables[s * table_width + key / block_size], row = key % block_size;
+        const int64_t offset = block_start(block, h, kv_heads, block_size, kDim) + row * kDim;
+        if (int8) {  // K stored as k + 128; V with four keys' elements side by side (kernels/__init__.py)
+          const int64_t scale_at = block_start(block, h, kv_heads, block_size, 1) + row;
+          const int8_t* v_quad = v_bytes + offset - row % 4 * kDim;
+          for (int64_t d = 0; d < kDim; ++d) {
+            kp[k_index(j, d)] = Panel((static_cast<int32_t>(k_bytes[offset + d]) - 128) * k_scales[scale_at]);
+            vp[v_index(j, d)] = Panel(v_quad[d * 4 + row % 4] * v_scales[scale_at]);
+          }
+        } else if constexpr (kBf16) {
           for (int64_t d = 0; d < kDim; ++d) {
             kp[k_index(j, d)] = k_data[offset + d];
             vp[v_index(j, d)] = v_data[offset + d];
@@ -785,8 +982,12 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
 
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& query_starts,
-                                   const at::Tensor& positions, double scale, int64_t sliding_window) {
-  check_query_and_pools(q, k_cache, v_cache);
+                                   const at::Tensor& positions, double scale, int64_t sliding_window,
+                                   const std::optional<at::Tensor>& k_scales,
+                                   const std::optional<at::Tensor>& v_scales) {
+  const bool int8 = check_query_and_pools(q, k_cache, v_cache, k_scales, v_scales);
+  const float* ks = int8 ? k_scales->data_ptr<float>() : nullptr;
+  const float* vs = int8 ? v_scales->data_ptr<float>() : nullptr;
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_starts.scalar_type() == at::kLong &&
                   positions.scalar_type() == at::kLong,
               "block tables, query starts and positions must be int64");
@@ -802,10 +1003,10 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   at::Tensor out = at::empty_like(q_);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
     switch (q.size(2)) {
-      case 64: return prefill_attention<scalar_t, 64>(q_, k_cache, v_cache, tables, starts, pos, out, scale,
+      case 64: return prefill_attention<scalar_t, 64>(q_, k_cache, v_cache, ks, vs, tables, starts, pos, out, scale,
                                                      sliding_window);
-      case 128: return prefill_attention<scalar_t, 128>(q_, k_cache, v_cache, tables, starts, pos, out, scale,
-                                                       sliding_window);
+      case 128: return prefill_attention<scalar_t, 128>(q_, k_cache, v_cache, ks, vs, tables, starts, pos, out,
+                                                       scale, sliding_window);
       default: TORCH_CHECK(false, "paged_prefill_attention takes head sizes 64 and 128, not ", q.size(2));
     }
   });
@@ -817,10 +1018,11 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
 
 TORCH_LIBRARY(liteinfer, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor positions, "
-        "float scale, int sliding_window, float softcap) -> Tensor");
+        "float scale, int sliding_window, float softcap, Tensor? k_scales=None, Tensor? v_scales=None) -> Tensor");
+  m.def("int8_pools_available() -> bool", +[] { return kInt8Pools; });  // no tensor: no dispatch key
 #if defined(__AVX512F__)  // elsewhere prompts keep PyTorch's SDPA
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_starts, "
-        "Tensor positions, float scale, int sliding_window) -> Tensor");
+        "Tensor positions, float scale, int sliding_window, Tensor? k_scales=None, Tensor? v_scales=None) -> Tensor");
 #endif
 }
 

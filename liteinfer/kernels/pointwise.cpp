@@ -17,6 +17,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "exp16.h"
 
@@ -252,25 +253,37 @@ at::Tensor gated_activation(const at::Tensor& gate_up, c10::string_view act) {
 // Each new token's K and V ([tokens, kv_heads, dim], each head's row contiguous) copied into its cache slot: row
 // slot_offsets[t] of block slot_blocks[t] of pools [blocks, kv_heads, block_size, dim]. PyTorch's indexed
 // assignment costs ~10 us a call at a decode step's few tokens, two calls a layer.
+// What both K/V writes ask of the new rows k and v ([tokens, kv_heads, dim], each head's row contiguous, in
+// `dtype`) and of their slots (one int64 block and offset per token, inside the pool of `blocks` x `block_size`).
+void check_rows_and_slots(const at::Tensor& k, const at::Tensor& v, int64_t heads, int64_t dim, at::ScalarType dtype,
+                          const at::Tensor& slot_blocks, const at::Tensor& slot_offsets, int64_t blocks,
+                          int64_t block_size) {
+  const int64_t tokens = k.size(0);
+  for (const at::Tensor* x : {&k, &v})
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == tokens && x->size(1) == heads && x->size(2) == dim &&
+                    x->stride(2) == 1 && x->scalar_type() == dtype,
+                "expected k and v [tokens, kv_heads, dim] in the pools' dtype, each head's row contiguous");
+  TORCH_CHECK(slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
+                  slot_blocks.numel() == tokens && slot_offsets.numel() == tokens && slot_blocks.is_contiguous() &&
+                  slot_offsets.is_contiguous(),
+              "expected one int64 slot block and offset per token");
+  const int64_t* block = slot_blocks.data_ptr<int64_t>();
+  const int64_t* offset = slot_offsets.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(block[t] >= 0 && block[t] < blocks && offset[t] >= 0 && offset[t] < block_size,
+                "cache slot (", block[t], ", ", offset[t], ") outside the pool");
+}
+
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
               "expected K/V pools [blocks, kv_heads, block_size, dim], contiguous, alike");
   const int64_t tokens = k.size(0), heads = k_cache.size(1), block_size = k_cache.size(2), dim = k_cache.size(3);
-  for (const at::Tensor* x : {&k, &v})
-    TORCH_CHECK(x->dim() == 3 && x->size(0) == tokens && x->size(1) == heads && x->size(2) == dim &&
-                    x->stride(2) == 1 && x->scalar_type() == k_cache.scalar_type(),
-                "expected k and v [tokens, kv_heads, dim] in the pools' dtype, each head's row contiguous");
-  TORCH_CHECK(slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
-                  slot_blocks.numel() == tokens && slot_offsets.numel() == tokens && slot_blocks.is_contiguous() &&
-                  slot_offsets.is_contiguous(),
-              "expected one int64 slot block and offset per token");
+  check_rows_and_slots(k, v, heads, dim, k_cache.scalar_type(), slot_blocks, slot_offsets, k_cache.size(0),
+                       block_size);
   const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
   const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(blocks[t] >= 0 && blocks[t] < k_cache.size(0) && offsets[t] >= 0 && offsets[t] < block_size,
-                "cache slot (", blocks[t], ", ", offsets[t], ") outside the pool");
   const int64_t row_bytes = dim * static_cast<int64_t>(k.element_size());
   for (auto [src, pool] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
     const char* from = static_cast<const char*>(src->data_ptr());
@@ -284,6 +297,61 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   }
 }
 
+// The same into int8 pools (layout in kernels/__init__.py), each row at its own scale, its largest |element| / 127:
+// levels round(x * (127 / largest)), scale largest * (1 / 127), as layers/attention.py's `_int8_levels` computes
+// them (a division by 127 would be a multiplication under -ffast-math anyway).
+template <typename scalar_t>
+void write_kv_int8_rows(const at::Tensor& k, const at::Tensor& v, uint8_t* k_pool, int8_t* v_pool, float* k_scales,
+                        float* v_scales, const int64_t* blocks, const int64_t* offsets, int64_t heads,
+                        int64_t block_size, int64_t dim) {
+  std::vector<float> row(dim);
+  for (const bool values : {false, true}) {
+    const at::Tensor& src = values ? v : k;
+    const scalar_t* data = src.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < src.size(0); ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t* x = data + t * src.stride(0) + h * src.stride(1);
+        float largest = 0.f;
+        for (int64_t d = 0; d < dim; ++d) {
+          row[d] = widen(x[d]);
+          largest = std::max(largest, std::abs(row[d]));
+        }
+        const float to_levels = largest > 0 ? 127.f / largest : 0.f;
+        const int64_t block_row = (blocks[t] * heads + h) * block_size, o = offsets[t];
+        (values ? v_scales : k_scales)[block_row + o] = largest * (1.f / 127.f);
+        if (values) {  // four keys' elements side by side: element d of row o at [o / 4][d][o % 4]
+          int8_t* quad = v_pool + (block_row + o / 4 * 4) * dim + o % 4;
+          for (int64_t d = 0; d < dim; ++d) quad[d * 4] = static_cast<int8_t>(std::nearbyint(row[d] * to_levels));
+        } else {
+          uint8_t* dst = k_pool + (block_row + o) * dim;
+          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<uint8_t>(std::nearbyint(row[d] * to_levels) + 128);
+        }
+      }
+  }
+}
+
+void write_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                   at::Tensor& k_scales, at::Tensor& v_scales, const at::Tensor& slot_blocks,
+                   const at::Tensor& slot_offsets) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kByte && v_cache.scalar_type() == at::kChar &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) % 4 == 0 &&
+                  v_cache.sizes() == at::IntArrayRef({k_cache.size(0), k_cache.size(1), k_cache.size(2) / 4,
+                                                      k_cache.size(3), 4}),
+              "expected int8 pools: K uint8 [blocks, kv_heads, block_size, dim], V int8 [blocks, kv_heads, "
+              "block_size / 4, dim, 4], contiguous");
+  for (const at::Tensor* s : {&k_scales, &v_scales})
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->sizes() == k_cache.sizes().slice(0, 3),
+                "expected the pools' scales fp32 [blocks, kv_heads, block_size], contiguous");
+  const int64_t heads = k_cache.size(1), block_size = k_cache.size(2), dim = k_cache.size(3);
+  check_rows_and_slots(k, v, heads, dim, k.scalar_type(), slot_blocks, slot_offsets, k_cache.size(0), block_size);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_int8", [&] {
+    write_kv_int8_rows<scalar_t>(k, v, k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<int8_t>(),
+                                 k_scales.data_ptr<float>(), v_scales.data_ptr<float>(),
+                                 slot_blocks.data_ptr<int64_t>(), slot_offsets.data_ptr<int64_t>(), heads, block_size,
+                                 dim);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(liteinfer, m) {
@@ -293,6 +361,8 @@ TORCH_LIBRARY_FRAGMENT(liteinfer, m) {
   m.def("gated_activation(Tensor gate_up, str act) -> Tensor");
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_blocks, "
         "Tensor slot_offsets) -> ()");
+  m.def("write_kv_int8(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scales, "
+        "Tensor(d!) v_scales, Tensor slot_blocks, Tensor slot_offsets) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(liteinfer, CPU, m) {
@@ -301,4 +371,5 @@ TORCH_LIBRARY_IMPL(liteinfer, CPU, m) {
   m.impl("rotary", &rotary);
   m.impl("gated_activation", &gated_activation);
   m.impl("write_kv", &write_kv);
+  m.impl("write_kv_int8", &write_kv_int8);
 }

@@ -80,15 +80,20 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
-        # Bound by the model runner to this layer's slice of the pool: [num_blocks, kv_heads, block_size, dim].
+        # Bound by the model runner to this layer's slice of the pool: [num_blocks, kv_heads, block_size, dim]; int8
+        # pools (kv_cache_dtype="int8") come with their rows' scales, in the layout kernels/__init__.py gives.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, heads * dim], k, v: [T, kv_heads * dim] -> [T, heads * dim]."""
         num_tokens, dim, kv_heads = q.shape[0], self.head_dim, self.num_kv_heads
         k, v = k.view(num_tokens, kv_heads, dim), v.view(num_tokens, kv_heads, dim)
-        if kernels.pointwise_takes(k) and self.k_cache.dtype == k.dtype:  # one call where indexing costs ~10 us each
+        if self.k_scales is not None:
+            self._write_int8(k, v, meta)
+        elif kernels.pointwise_takes(k) and self.k_cache.dtype == k.dtype:  # one call where indexing costs ~10 us each
             torch.ops.liteinfer.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_blocks, meta.slot_offsets)
         else:
             self.k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
@@ -110,13 +115,13 @@ class PagedAttention(nn.Module):
             starts, tables, _ = meta.prefill_spans
             return torch.ops.liteinfer.paged_prefill_attention(
                 q, self.k_cache, self.v_cache, tables, starts, meta.positions[decodes:], self.scale,
-                self.sliding_window or 0,
+                self.sliding_window or 0, self.k_scales, self.v_scales,
             ).flatten(1)
         outputs = []
         for span in meta.prefills:
             positions = meta.positions[span.start : span.end]
             num_keys = int(positions[-1]) + 1
-            keys, values = self._gather(span.block_table[None])
+            keys, values = self._gather(span.block_table[None], q.dtype)
             keys, values = keys[:, 0, :num_keys], values[:, 0, :num_keys]  # [kv_heads, num_keys, dim]
             outputs.append(self._attend_span(q[span.start - decodes : span.end - decodes], keys, values, positions))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
@@ -126,31 +131,58 @@ class PagedAttention(nn.Module):
         more than PROMPT_KERNEL_MAX_KEYS keys, past which PyTorch's flash SDPA is as fast or faster (bf16 at 2,048
         keys: 38.7 vs 35.7 ms a layer; at 1,024: 10.1 vs 10.8; docs/benchmarks.md)."""
         return (q.is_cpu and self.logit_softcap is None and self.head_dim in (64, 128) and kernels.prefill_available()
-                and meta.prefill_spans[2] <= PROMPT_KERNEL_MAX_KEYS)
+                and self._kernels_take_pools() and meta.prefill_spans[2] <= PROMPT_KERNEL_MAX_KEYS)
 
-    def _gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V of each sequence's blocks, [kv_heads, seqs, blocks * block_size, dim].
+    def _kernels_take_pools(self) -> bool:
+        """Plain pools, or int8 ones where the kernels read them (AVX-512 VNNI, heads of 64 or 128, whole panels of 16
+        keys a block); otherwise int8 pools are read through `_gather`."""
+        return self.k_scales is None or (kernels.int8_pools_available() and self.head_dim in (64, 128)
+                                         and self.k_cache.shape[2] % 16 == 0)
+
+    def _write_int8(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """The new rows into int8 pools (layout in kernels/__init__.py), each at its own scale: its largest |element|
+        / 127. Our op does it in one pass, in compiled graphs too (as PyTorch ops, ~0.1 ms a layer more in a decode
+        step of ~200 sequences); otherwise the same arithmetic in PyTorch ops, which index the pools themselves, not
+        views of them, so that a compiled step's writes stay in place."""
+        blocks, offsets = meta.slot_blocks, meta.slot_offsets
+        if kernels.pointwise_takes(k, in_graphs=True):
+            torch.ops.liteinfer.write_kv_int8(k, v, self.k_cache, self.v_cache, self.k_scales, self.v_scales, blocks,
+                                              offsets)
+            return
+        k_levels, k_scales = _int8_levels(k)
+        v_levels, v_scales = _int8_levels(v)
+        self.k_cache[blocks, :, offsets] = (k_levels + 128).to(torch.uint8)
+        self.v_cache[blocks, :, offsets // 4, :, offsets % 4] = v_levels.to(torch.int8)
+        self.k_scales[blocks, :, offsets] = k_scales
+        self.v_scales[blocks, :, offsets] = v_scales
+
+    def _gather(self, block_tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V of each sequence's blocks in `dtype`, [kv_heads, seqs, blocks * block_size, dim].
 
         The blocks are selected along the pool's own first dimension, then moved heads-first: selecting from the pool
         viewed heads-first made PyTorch copy the whole pool into that order first, every call (~15 ms a layer for a
         2 GiB pool; prompts on CPUs without the prompt kernel took 37 s to prefill 32 requests)."""
         seqs, width = block_tables.shape
         flat = block_tables.flatten()
+        keys, values = self.k_cache.index_select(0, flat), self.v_cache.index_select(0, flat)
+        if self.k_scales is not None:  # int8 pools, dequantized
+            keys = ((keys.float() - 128) * self.k_scales.index_select(0, flat)[..., None]).to(dtype)
+            values = values.transpose(-1, -2).flatten(2, 3).float()  # [blocks, kv_heads, block_size, dim]
+            values = (values * self.v_scales.index_select(0, flat)[..., None]).to(dtype)
         return tuple(
-            pool.index_select(0, flat).unflatten(0, (seqs, width)).permute(2, 0, 1, 3, 4)
-            .reshape(self.num_kv_heads, seqs, -1, self.head_dim)
-            for pool in (self.k_cache, self.v_cache)
+            pool.unflatten(0, (seqs, width)).permute(2, 0, 1, 3, 4).reshape(self.num_kv_heads, seqs, -1, self.head_dim)
+            for pool in (keys, values)
         )
 
     def _attend_decodes(self, q: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One new token per sequence, q: [D, heads, dim] -> [D, heads * dim]."""
-        if q.is_cpu and kernels.available():
+        if q.is_cpu and kernels.available() and self._kernels_take_pools():
             out = torch.ops.liteinfer.paged_decode_attention(
                 q, self.k_cache, self.v_cache, block_tables, positions, self.scale, self.sliding_window or 0,
-                self.logit_softcap or 0.0,
+                self.logit_softcap or 0.0, self.k_scales, self.v_scales,
             )
             return out.flatten(1)
-        keys, values = self._gather(block_tables)  # [kv_heads, D, keys, dim]
+        keys, values = self._gather(block_tables, q.dtype)  # [kv_heads, D, keys, dim]
         return self._attend_gathered_decodes(q, keys, values, positions)
 
     def _attend_gathered_decodes(
@@ -202,3 +234,11 @@ class PagedAttention(nn.Module):
         if self.sliding_window is not None:
             hidden |= key_positions <= query_positions[..., None] - self.sliding_window
         return hidden
+
+
+def _int8_levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., dim] as integer levels in [-127, 127] (fp32) and each row's scale (its largest |element| / 127)."""
+    x = x.float()
+    largest = x.abs().amax(-1)
+    to_levels = torch.where(largest > 0, 127 / largest, 0.0)
+    return torch.round(x * to_levels[..., None]), largest * (1 / 127)

@@ -1,6 +1,7 @@
 """Weight-only int8/int4 through the engine: the tiny model here; SmolLM2's agreement rate in the slow test."""
 
 import pytest
+from agreement import CHAT_QUESTIONS, departure_gaps, first_divergence, tokens_matched
 
 from liteinfer import LLM, SamplingParams
 from liteinfer.layers.quantization import Int8Weight
@@ -59,10 +60,7 @@ def test_smollm2_int8_agrees_with_fp32_as_closely_as_bf16_does():
     weights are compared with the same model's fp32 weights (activations in fp32 for both), so the quantization is
     all that differs. Rounding alone (bf16) already flips this model's near-ties, so int8 is held to that
     yardstick, not to identity, and each of its first divergences must be at a near-tie of the fp32 logits."""
-    questions = ["What is the capital of France?", "Write a haiku about the ocean.", "What is 12 times 7?",
-                 "Explain photosynthesis in simple terms.", "Translate 'good morning' into Spanish.",
-                 "List three tips for staying productive.", "Why is the sky blue?", "Name a famous painter."]
-    conversations = [[{"role": "user", "content": q}] for q in questions]
+    conversations = [[{"role": "user", "content": q}] for q in CHAT_QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=48, min_tokens=48, ignore_eos=True)
     budget = {"kv_cache_memory_bytes": 512 << 20}
 
@@ -72,31 +70,18 @@ def test_smollm2_int8_agrees_with_fp32_as_closely_as_bf16_does():
     def tokens_one_at_a_time(llm):  # a lone sequence's decode steps take the GEMV (kernels/gemv.cpp), not a batch's
         return [llm.chat([conversation], params)[0].outputs[0].token_ids for conversation in conversations]
 
-    def first_divergence(s, t):
-        return next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), None)
-
-    def matched(a, b):
-        return sum(len(s) if first_divergence(s, t) is None else first_divergence(s, t) for s, t in zip(a, b))
-
     reference = LLM(**budget, dtype="float32")
     fp32 = tokens(reference)
     int8 = tokens_one_at_a_time(LLM(**budget, dtype="float32", quantization="int8"))
-    int8_matched, bf16_matched = matched(fp32, int8), matched(fp32, tokens(LLM(**budget, dtype="bfloat16")))
+    bf16 = tokens(LLM(**budget, dtype="bfloat16"))
+    int8_matched, bf16_matched = tokens_matched(fp32, int8), tokens_matched(fp32, bf16)
     identical = sum(first_divergence(s, t) is None for s, t in zip(fp32, int8))
     print(f"tokens before the first divergence from fp32 (of {8 * 48}): int8 {int8_matched} ({identical} of 8 "
           f"prompts identical), bf16 {bf16_matched}")
     assert int8_matched >= 0.5 * bf16_matched
 
-    gaps = []
-    for conversation, ours, theirs in zip(conversations, int8, fp32):
-        d = first_divergence(ours, theirs)
-        if d is None:
-            continue
-        prompt = reference.apply_chat_template(conversation) + theirs[:d]
-        step = SamplingParams(temperature=0, max_tokens=1, logprobs=20)  # logprobs: from the raw logits
-        top = reference.generate([{"prompt_token_ids": prompt}], step)[0].outputs[0].logprobs[0]
-        assert ours[d] in top, f"int8 chose token {ours[d]}, outside fp32's top 20, at new token {d}"
-        gaps.append(top[theirs[d]].logprob - top[ours[d]].logprob)
+    prompts = [reference.apply_chat_template(conversation) for conversation in conversations]
+    gaps = departure_gaps(reference, prompts, fp32, int8)
     print(f"fp32 logit gaps where int8 departs: {[round(g, 3) for g in gaps]}")
     assert all(gap < INT8_NEAR_TIE for gap in gaps), gaps
 

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from liteinfer import kernels
+from liteinfer.cache import KVCache
 from liteinfer.layers import AttentionMetadata, PagedAttention, PrefillSpan
 from liteinfer.layers.attention import PROMPT_KERNEL_MAX_KEYS
 
@@ -17,6 +18,8 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DTYPES = st.sampled_from(list(TOLERANCE))
 KV_HEADS, GROUPS = st.integers(1, 3), st.integers(1, 6)  # group: query heads per KV head (5, 6: past the 4 of
 # 64-wide heads whose sums the AVX-512 decode kernel keeps in registers at once; AVX2's passes of 3 heads: 3 + 2, 3 + 3)
+needs_int8_kernels = pytest.mark.skipif(not (kernels.load() and kernels.int8_pools_available()),
+                                        reason="the kernels read int8 pools on CPUs with AVX-512 VNNI only")
 needs_prompt_kernel = pytest.mark.skipif(not (kernels.load() and kernels.prefill_available()),
                                          reason="the prompt kernel is built for AVX-512 CPUs only")
 
@@ -64,7 +67,7 @@ def test_kernel_matches_attention_over_gathered_blocks(data, dtype, kv_heads, gr
         out = attn._attend_decodes(q, tables, positions)  # the kernel, on CPU
     finally:
         torch.set_num_threads(default_threads)
-    keys, values = attn._gather(tables)
+    keys, values = attn._gather(tables, dtype)
     expected = attn._attend_gathered_decodes(q, keys, values, positions)
 
     assert out.dtype == dtype and out.shape == expected.shape
@@ -186,7 +189,7 @@ def test_gathering_blocks_copies_those_blocks_only():
     attn.k_cache, attn.v_cache = torch.randn(4096, 2, 16, 64), torch.randn(4096, 2, 16, 64)  # 32 MiB each
     tables = torch.tensor([[7, 4000], [12, 3]])
     with torch.profiler.profile(profile_memory=True) as profile:
-        keys, values = attn._gather(tables)
+        keys, values = attn._gather(tables, torch.float32)
     allocated = sum(max(event.cpu_memory_usage, 0) for event in profile.events())
     assert allocated < attn.k_cache.nbytes / 16  # ~10x what it returns, counted op by op; the pool is 512x
     for pool, gathered in ((attn.k_cache, keys), (attn.v_cache, values)):
@@ -194,3 +197,147 @@ def test_gathering_blocks_copies_those_blocks_only():
         for s, row in enumerate(tables.tolist()):
             expected = torch.cat([pool[block] for block in row], dim=1)  # [kv_heads, 32, dim]
             assert torch.equal(gathered[:, s], expected)
+
+
+def int8_layer(kv_heads, group, dim, block_size, num_blocks, window=None, softcap=None) -> PagedAttention:
+    """A layer bound to int8 pools whose every row was written through the layer (random K/V, one key channel
+    eight times the others, as real keys have outliers)."""
+    attn = PagedAttention(kv_heads * group, kv_heads, dim, dim**-0.5, sliding_window=window, logit_softcap=softcap)
+    KVCache(1, num_blocks, block_size, kv_heads, dim, torch.float32, torch.device("cpu"), int8=True).bind(attn)
+    slots = torch.arange(num_blocks * block_size)
+    meta = AttentionMetadata(slot_blocks=slots // block_size, slot_offsets=slots % block_size, positions=slots,
+                             decode_block_tables=torch.zeros(0, 1, dtype=torch.long), prefills=[])
+    k, v = torch.randn(len(slots), kv_heads, dim), torch.randn(len(slots), kv_heads, dim)
+    k[..., 3] *= 8
+    attn._write_int8(k, v, meta)
+    return attn, k, v
+
+
+def test_int8_pools_hold_each_row_within_half_a_level():
+    """The write and `_gather`'s dequantization agree on the layout: every element of every row comes back within
+    half of its row's step (largest |element| / 127), K and V alike."""
+    attn, k, v = int8_layer(kv_heads=2, group=1, dim=64, block_size=16, num_blocks=5)
+    keys, values = attn._gather(torch.arange(5)[None], torch.float32)  # [kv_heads, 1, 80, dim]
+    for written, read in ((k, keys), (v, values)):
+        step = written.abs().amax(-1, keepdim=True) / 127
+        error = (read[:, 0].transpose(0, 1) - written).abs()
+        assert (error <= step / 2 * (1 + 1e-5)).all()
+        assert error.max() > 0  # the rows were rounded, not stored whole
+
+
+# The decode kernel rounds each query head to int8 levels and each head's softmax weights (times the V scales) to
+# uint8 levels, where the gathered path computes over the same dequantized pools in fp32. On these random rows the
+# outputs lie within ~0.02 of it (measured over the examples; outputs ~0.1-1); a misread scale or layout is off by
+# the outputs' own size.
+INT8_DECODE_TOLERANCE = 5e-2
+
+
+@needs_int8_kernels
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    kv_heads=KV_HEADS,
+    group=GROUPS,
+    dim=st.sampled_from([64, 128]),
+    block_size=st.sampled_from([16, 32]),
+    window=st.one_of(st.none(), st.integers(1, 40)),
+    softcap=st.one_of(st.none(), st.floats(5.0, 50.0)),
+    threads=st.integers(1, 4),
+)
+def test_decode_kernel_reads_int8_pools_as_the_gathered_path(data, dtype, kv_heads, group, dim, block_size, window,
+                                                             softcap, threads):
+    num_blocks = 12
+    attn, _, _ = int8_layer(kv_heads, group, dim, block_size, num_blocks, window, softcap)
+    num_seqs = data.draw(st.integers(1, 4), label="seqs")
+    width = data.draw(st.integers(1, num_blocks // num_seqs), label="table width")
+    tables = torch.randperm(num_blocks)[: num_seqs * width].view(num_seqs, width)
+    positions = torch.tensor([data.draw(st.integers(0, width * block_size - 1)) for _ in range(num_seqs)])
+    q = torch.randn(num_seqs, kv_heads * group, dim).to(dtype)
+
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = attn._attend_decodes(q, tables, positions)  # the kernel
+    finally:
+        torch.set_num_threads(default_threads)
+    keys, values = attn._gather(tables, torch.float32)
+    expected = attn._attend_gathered_decodes(q.float(), keys, values, positions)
+
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=INT8_DECODE_TOLERANCE, rtol=0)
+
+
+@needs_int8_kernels
+@settings(max_examples=30, deadline=None)
+@given(
+    data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    kv_heads=KV_HEADS,
+    group=GROUPS,
+    dim=st.sampled_from([64, 128]),
+    window=st.one_of(st.none(), st.integers(1, 40)),
+)
+def test_prompt_kernel_reads_int8_pools_as_sdpa_over_the_gathered_rows(data, dtype, kv_heads, group, dim, window):
+    """The prompt kernel dequantizes the rows it lays out as `_gather` does, so only the arithmetic differs."""
+    attn, _, _ = int8_layer(kv_heads, group, dim, block_size=16, num_blocks=24, window=window)
+    free = torch.randperm(24).tolist()
+    spans, positions, row = [], [], 0
+    for _ in range(data.draw(st.integers(1, 4), label="spans")):
+        context, length = data.draw(st.integers(0, 50), label="context"), data.draw(st.integers(1, 40), label="new")
+        spans.append(PrefillSpan(row, row + length, torch.tensor([free.pop() for _ in range(-(-(context + length)
+                                                                                              // 16))])))
+        positions += range(context, context + length)
+        row += length
+    no_slots = torch.zeros(row, dtype=torch.long)
+    meta = AttentionMetadata(slot_blocks=no_slots, slot_offsets=no_slots, positions=torch.tensor(positions),
+                             decode_block_tables=torch.zeros(0, 1, dtype=torch.long), prefills=spans)
+    q = torch.randn(row, kv_heads * group, dim).to(dtype)
+
+    out = attn._attend_prefills(q, meta)
+    with mock.patch.object(kernels, "prefill_available", return_value=False):
+        expected = attn._attend_prefills(q, meta)
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@needs_int8_kernels
+def test_kernels_refuse_int8_pools_laid_out_otherwise():
+    attn, _, _ = int8_layer(kv_heads=2, group=2, dim=64, block_size=16, num_blocks=2)
+    q, tables, positions = torch.zeros(1, 4, 64), torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    op = torch.ops.liteinfer.paged_decode_attention
+    k, v, ks, vs = attn.k_cache, attn.v_cache, attn.k_scales, attn.v_scales
+    with pytest.raises(RuntimeError, match="both pools' scales or neither"):
+        op(q, k, v, tables, positions, 1.0, 0, 0.0, ks, None)
+    with pytest.raises(RuntimeError, match=r"int8 V pool is \[blocks, kv_heads, block_size / 4, dim, 4\]"):
+        op(q, k, v.view(2, 2, 16, 64), tables, positions, 1.0, 0, 0.0, ks, vs)
+    with pytest.raises(RuntimeError, match="K as uint8 and V as int8"):
+        op(q, k.view(torch.int8), v, tables, positions, 1.0, 0, 0.0, ks, vs)
+    with pytest.raises(RuntimeError, match="scales must be fp32"):
+        op(q, k, v, tables, positions, 1.0, 0, 0.0, ks.double(), vs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_write_op_fills_the_pools_as_the_pytorch_write(dtype):
+    """Our one-pass write and the PyTorch ops it stands in for (where the kernels are not built) store the same
+    scales and the same levels, an all-zero row included, but where x * (127 / largest) falls a rounding step from
+    .5: PyTorch computes 127 / largest as 127 * (1 / largest), another rounding (1 of 5,120 elements here)."""
+    assert kernels.load()
+    torch.manual_seed(0)
+    k, v = torch.randn(40, 2, 64).to(dtype), torch.randn(40, 2, 64).to(dtype)
+    k[7] = 0
+    slots = torch.randperm(3 * 16)[:40]
+    meta = AttentionMetadata(slot_blocks=slots // 16, slot_offsets=slots % 16, positions=slots,
+                             decode_block_tables=torch.zeros(0, 1, dtype=torch.long), prefills=[])
+    pools = []
+    for pointwise in (True, False):
+        attn = PagedAttention(4, 2, 64, 0.125)
+        KVCache(1, 3, 16, 2, 64, dtype, torch.device("cpu"), int8=True).bind(attn)
+        with mock.patch.object(kernels, "pointwise_takes", return_value=pointwise):
+            attn._write_int8(k, v, meta)
+        pools.append((attn.k_cache, attn.v_cache, attn.k_scales, attn.v_scales))
+    (k_ours, v_ours, *scales_ours), (k_theirs, v_theirs, *scales_theirs) = pools
+    for ours, theirs in ((k_ours, k_theirs), (v_ours, v_theirs)):
+        levels_apart = (ours.int() - theirs.int()).abs()
+        assert levels_apart.max() <= 1 and levels_apart.sum() <= ours.numel() // 1000
+    for ours, theirs in zip(scales_ours, scales_theirs):
+        assert torch.equal(ours, theirs)
