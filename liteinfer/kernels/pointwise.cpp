@@ -304,30 +304,55 @@ template <typename scalar_t>
 void write_kv_int8_rows(const at::Tensor& k, const at::Tensor& v, uint8_t* k_pool, int8_t* v_pool, float* k_scales,
                         float* v_scales, const int64_t* blocks, const int64_t* offsets, int64_t heads,
                         int64_t block_size, int64_t dim) {
-  std::vector<float> row(dim);
-  for (const bool values : {false, true}) {
-    const at::Tensor& src = values ? v : k;
-    const scalar_t* data = src.data_ptr<scalar_t>();
-    for (int64_t t = 0; t < src.size(0); ++t)
-      for (int64_t h = 0; h < heads; ++h) {
-        const scalar_t* x = data + t * src.stride(0) + h * src.stride(1);
-        float largest = 0.f;
-        for (int64_t d = 0; d < dim; ++d) {
-          row[d] = widen(x[d]);
-          largest = std::max(largest, std::abs(row[d]));
+  const scalar_t* k_data = k.data_ptr<scalar_t>();
+  const scalar_t* v_data = v.data_ptr<scalar_t>();
+  // Row o of a head's block starts at block_row + o; its V elements lie in its quad, element d at [o / 4][d][o % 4].
+  auto block_row = [&](int64_t t, int64_t h) { return (blocks[t] * heads + h) * block_size; };
+  auto v_quad = [&](int64_t t, int64_t h) { return v_pool + (block_row(t, h) + offsets[t] / 4 * 4) * dim; };
+  // The slots lie anywhere in the pools, so each token's lines (a K row, the V quad its row is spread over, two
+  // scales) are requested kAhead tokens before they are written: one at a time, the misses took turns (the write
+  // ran ~2.4x as long as the bf16 pools' copy, measured from DRAM).
+  constexpr int64_t kAhead = 4;
+  auto request = [&](int64_t t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t row = block_row(t, h) + offsets[t];
+      for (int64_t line = 0; line < dim; line += 64) __builtin_prefetch(k_pool + row * dim + line, 1, 3);
+      for (int64_t line = 0; line < 4 * dim; line += 64) __builtin_prefetch(v_quad(t, h) + line, 1, 3);
+      __builtin_prefetch(k_scales + row, 1, 3);
+      __builtin_prefetch(v_scales + row, 1, 3);
+    }
+  };
+  const int64_t strides[2][2] = {{k.stride(0), k.stride(1)}, {v.stride(0), v.stride(1)}};
+  at::parallel_for(0, k.size(0), grain(2 * heads * dim), [&](int64_t begin, int64_t end) {
+    const int64_t n = dim;  // a local copy: the byte stores below may alias anything the lambda reaches
+    std::vector<float> row(n);
+    std::vector<int32_t> levels(n);
+    for (int64_t t = begin; t < std::min(begin + kAhead, end); ++t) request(t);
+    for (int64_t t = begin; t < end; ++t) {
+      if (t + kAhead < end) request(t + kAhead);
+      for (int64_t h = 0; h < heads; ++h)
+        for (const int values : {0, 1}) {
+          const scalar_t* x = (values ? v_data : k_data) + t * strides[values][0] + h * strides[values][1];
+          float* r = row.data();
+          int32_t* l = levels.data();
+          float largest = 0.f;
+          for (int64_t d = 0; d < n; ++d) {
+            r[d] = widen(x[d]);
+            largest = std::max(largest, std::abs(r[d]));
+          }
+          const float to_levels = largest > 0 ? 127.f / largest : 0.f;
+          for (int64_t d = 0; d < n; ++d) l[d] = static_cast<int32_t>(std::nearbyint(r[d] * to_levels));
+          (values ? v_scales : k_scales)[block_row(t, h) + offsets[t]] = largest * (1.f / 127.f);
+          if (values) {
+            int8_t* quad = v_quad(t, h) + offsets[t] % 4;
+            for (int64_t d = 0; d < n; ++d) quad[d * 4] = static_cast<int8_t>(l[d]);
+          } else {
+            uint8_t* dst = k_pool + (block_row(t, h) + offsets[t]) * n;
+            for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<uint8_t>(l[d] + 128);
+          }
         }
-        const float to_levels = largest > 0 ? 127.f / largest : 0.f;
-        const int64_t block_row = (blocks[t] * heads + h) * block_size, o = offsets[t];
-        (values ? v_scales : k_scales)[block_row + o] = largest * (1.f / 127.f);
-        if (values) {  // four keys' elements side by side: element d of row o at [o / 4][d][o % 4]
-          int8_t* quad = v_pool + (block_row + o / 4 * 4) * dim + o % 4;
-          for (int64_t d = 0; d < dim; ++d) quad[d * 4] = static_cast<int8_t>(std::nearbyint(row[d] * to_levels));
-        } else {
-          uint8_t* dst = k_pool + (block_row + o) * dim;
-          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<uint8_t>(std::nearbyint(row[d] * to_levels) + 128);
-        }
-      }
-  }
+    }
+  });
 }
 
 void write_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
