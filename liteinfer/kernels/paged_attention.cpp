@@ -409,10 +409,10 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     std::vector<float> denom(group);
     std::vector<uint16_t> weights;  // with bf16 values, their softmax weights as bf16 bits
     // With int8 pools: the group's queries as bytes, each one's scale and its bytes' sum; the softmax weights times
-    // each key's V scale, in fp32 and as bytes, and each head's scale of those bytes.
+    // each key's V scale, in fp32 and as bytes.
     std::vector<int8_t> query_bytes(group * dim);
     std::vector<int32_t> query_sum(group);
-    std::vector<float> query_scale(group), weighted, weight_scale(group);
+    std::vector<float> query_scale(group), weighted;
     std::vector<uint8_t> weight_bytes;
     // Blocks lie anywhere in the pool, so the hardware prefetcher cannot run ahead across them: they are requested
     // by hand (measured: DRAM-latency bound without it), into L2 (locality hint 1), not L1, which a few tasks'
@@ -478,17 +478,19 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
             const int64_t a = std::max(lo, p0) - p0, b = std::min(hi, p0 + 16) - p0;  // the panel's keys read
             for (int64_t g = 0; g < group; ++g) {
               __m512i q8[kDim / 64], acc[16];
-              for (int64_t c = 0; c < kDim / 64; ++c) q8[c] = _mm512_loadu_si512(query_bytes.data() + g * kDim + c * 64);
+              for (int64_t c = 0; c < kDim / 64; ++c)
+                q8[c] = _mm512_loadu_si512(query_bytes.data() + g * kDim + c * 64);
               for (int64_t r = 0; r < 16; ++r) {
                 acc[r] = _mm512_setzero_si512();
                 if (g == 0) lines.next(kRowLines);
                 for (int64_t c = 0; c < kDim / 64; ++c)
-                  acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512(rows + (p0 - start + r) * kDim + c * 64), q8[c]);
+                  acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512(rows + (p0 - start + r) * kDim + c * 64),
+                                               q8[c]);
               }
               const __m512i dots = _mm512_sub_epi32(sum_lanes_16_epi32(acc), _mm512_set1_epi32(128 * query_sum[g]));
               alignas(64) float panel[16];
-              _mm512_store_ps(panel, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_set1_ps(query_scale[g])),
-                                                   _mm512_loadu_ps(row_scales + p0 - start)));
+              const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_set1_ps(query_scale[g]));
+              _mm512_store_ps(panel, _mm512_mul_ps(scaled, _mm512_loadu_ps(row_scales + p0 - start)));
               std::copy(panel + a, panel + b, scores.data() + g * span + (p0 + a - first));
             }
           }
@@ -539,9 +541,11 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           for (int64_t j = 0; j < stride; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(wg + j));
           const float largest = _mm512_reduce_max_ps(top);
           const __m512 to_levels = _mm512_set1_ps(largest > 0 ? 255.f / largest : 0.f);
-          for (int64_t j = 0; j < stride; j += 16)
+          for (int64_t j = 0; j < stride; j += 16) {
+            const __m512i levels = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(wg + j), to_levels));
             _mm_storeu_si128(reinterpret_cast<__m128i*>(weight_bytes.data() + g * stride + j),
-                             _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(wg + j), to_levels))));
+                             _mm512_cvtusepi32_epi8(levels));
+          }
           if (largest > 0) denom[g] *= 255.f / largest;  // the output's sums are in units of largest / 255
         }
         // The int32 sums move into the fp32 ones every kFlushBlocks blocks: a block adds at most 16 x 255 x 127

@@ -369,7 +369,7 @@ void write_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
                 "expected the pools' scales fp32 [blocks, kv_heads, block_size], contiguous");
   const int64_t heads = k_cache.size(1), block_size = k_cache.size(2), dim = k_cache.size(3);
   check_rows_and_slots(k, v, heads, dim, k.scalar_type(), slot_blocks, slot_offsets, k_cache.size(0), block_size);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_int8", [&] {
+  LITEINFER_DISPATCH(k.scalar_type(), "write_kv_int8", [&] {
     write_kv_int8_rows<scalar_t>(k, v, k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<int8_t>(),
                                  k_scales.data_ptr<float>(), v_scales.data_ptr<float>(),
                                  slot_blocks.data_ptr<int64_t>(), slot_offsets.data_ptr<int64_t>(), heads, block_size,

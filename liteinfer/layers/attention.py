@@ -5,6 +5,9 @@ in the cache (prefill: context 0; decode: query 1; chunked prefill and prefix-ca
 are written into their slots first; then each query attends to its sequence's keys, read through the block table,
 at positions up to its own (and within the sliding window, for layers that have one).
 
+The pools hold K/V in the model's dtype, or in bytes at a scale per row (`kv_cache_dtype="int8"`), which the kernels
+read as they lie and the other paths dequantize after gathering.
+
 Single-token steps (decodes) are batched into one call: on CPU, our kernel that reads each sequence's blocks where
 they lie in the pool (liteinfer.kernels); elsewhere, or where it could not be built, a grouped matmul over a
 gathered copy of the blocks. Multi-token steps (a prefill or a chunk of one) are batched into one call of our prompt
@@ -141,9 +144,10 @@ class PagedAttention(nn.Module):
 
     def _write_int8(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """The new rows into int8 pools (layout in kernels/__init__.py), each at its own scale: its largest |element|
-        / 127. Our op does it in one pass, in compiled graphs too (as PyTorch ops, ~0.1 ms a layer more in a decode
-        step of ~200 sequences); otherwise the same arithmetic in PyTorch ops, which index the pools themselves, not
-        views of them, so that a compiled step's writes stay in place."""
+        / 127. Our op does it in one pass, in compiled graphs too (inductor's kernels for the PyTorch form took ~0.1 ms
+        a layer at a decode step of ~200 sequences, docs/benchmarks.md); where the kernels are not built, the same
+        arithmetic in PyTorch ops, which index the pools themselves, not views of them, so that a compiled step's
+        writes stay in place."""
         blocks, offsets = meta.slot_blocks, meta.slot_offsets
         if kernels.pointwise_takes(k, in_graphs=True):
             torch.ops.liteinfer.write_kv_int8(k, v, self.k_cache, self.v_cache, self.k_scales, self.v_scales, blocks,
