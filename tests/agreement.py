@@ -7,6 +7,14 @@ from liteinfer import LLM, SamplingParams
 CHAT_QUESTIONS = ["What is the capital of France?", "Write a haiku about the ocean.", "What is 12 times 7?",
                   "Explain photosynthesis in simple terms.", "Translate 'good morning' into Spanish.",
                   "List three tips for staying productive.", "Why is the sky blue?", "Name a famous painter."]
+# The slow agreement tests' SmolLM2 runs: every question as a chat, 48 greedy tokens each.
+CONVERSATIONS = [[{"role": "user", "content": q}] for q in CHAT_QUESTIONS]
+PARAMS = SamplingParams(temperature=0, max_tokens=48, min_tokens=48, ignore_eos=True)
+BUDGET = {"kv_cache_memory_bytes": 512 << 20}
+
+
+def chat_tokens(llm: LLM) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in llm.chat(CONVERSATIONS, PARAMS)]
 
 
 def first_divergence(ours: list[int], theirs: list[int]) -> int | None:
@@ -33,3 +41,22 @@ def departure_gaps(reference: LLM, prompts: list[list[int]], reference_tokens: l
         assert ours[d] in top, f"token {ours[d]} chosen outside the reference's top 20, at new token {d}"
         gaps.append(top[theirs[d]].logprob - top[ours[d]].logprob)
     return gaps
+
+
+def assert_agrees_with_fp32_as_closely_as_bf16(candidate: list[list[int]], label: str, near_tie: float) -> None:
+    """`candidate`: a lossy option's tokens for CONVERSATIONS under PARAMS. It must keep at least half of bf16's
+    agreement with the plain fp32 engine (tokens before the first divergence), each of its first divergences at a
+    near-tie of the fp32 logits (a gap under `near_tie`)."""
+    reference = LLM(**BUDGET, dtype="float32")
+    fp32 = chat_tokens(reference)
+    bf16 = chat_tokens(LLM(**BUDGET, dtype="bfloat16"))
+    matched, bf16_matched = tokens_matched(fp32, candidate), tokens_matched(fp32, bf16)
+    identical = sum(first_divergence(s, t) is None for s, t in zip(fp32, candidate))
+    print(f"tokens before the first divergence from fp32 (of {sum(map(len, fp32))}): {label} {matched} ({identical} "
+          f"of {len(fp32)} prompts identical), bf16 {bf16_matched}")
+    assert matched >= 0.5 * bf16_matched
+
+    prompts = [reference.apply_chat_template(conversation) for conversation in CONVERSATIONS]
+    gaps = departure_gaps(reference, prompts, fp32, candidate)
+    print(f"fp32 logit gaps where {label} departs: {[round(g, 3) for g in gaps]}")
+    assert all(gap < near_tie for gap in gaps), gaps

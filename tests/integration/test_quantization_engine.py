@@ -1,7 +1,7 @@
 """Weight-only int8/int4 through the engine: the tiny model here; SmolLM2's agreement rate in the slow test."""
 
 import pytest
-from agreement import CHAT_QUESTIONS, departure_gaps, first_divergence, tokens_matched
+from agreement import BUDGET, CONVERSATIONS, PARAMS, assert_agrees_with_fp32_as_closely_as_bf16
 
 from liteinfer import LLM, SamplingParams
 from liteinfer.layers.quantization import Int8Weight
@@ -60,30 +60,10 @@ def test_smollm2_int8_agrees_with_fp32_as_closely_as_bf16_does():
     weights are compared with the same model's fp32 weights (activations in fp32 for both), so the quantization is
     all that differs. Rounding alone (bf16) already flips this model's near-ties, so int8 is held to that
     yardstick, not to identity, and each of its first divergences must be at a near-tie of the fp32 logits."""
-    conversations = [[{"role": "user", "content": q}] for q in CHAT_QUESTIONS]
-    params = SamplingParams(temperature=0, max_tokens=48, min_tokens=48, ignore_eos=True)
-    budget = {"kv_cache_memory_bytes": 512 << 20}
+    # A lone sequence's decode steps take the GEMV (kernels/gemv.cpp), not a batch's: one prompt at a time.
+    int8 = LLM(**BUDGET, dtype="float32", quantization="int8")
+    tokens = [int8.chat([conversation], PARAMS)[0].outputs[0].token_ids for conversation in CONVERSATIONS]
+    assert_agrees_with_fp32_as_closely_as_bf16(tokens, "int8", INT8_NEAR_TIE)
 
-    def tokens(llm):
-        return [out.outputs[0].token_ids for out in llm.chat(conversations, params)]
-
-    def tokens_one_at_a_time(llm):  # a lone sequence's decode steps take the GEMV (kernels/gemv.cpp), not a batch's
-        return [llm.chat([conversation], params)[0].outputs[0].token_ids for conversation in conversations]
-
-    reference = LLM(**budget, dtype="float32")
-    fp32 = tokens(reference)
-    int8 = tokens_one_at_a_time(LLM(**budget, dtype="float32", quantization="int8"))
-    bf16 = tokens(LLM(**budget, dtype="bfloat16"))
-    int8_matched, bf16_matched = tokens_matched(fp32, int8), tokens_matched(fp32, bf16)
-    identical = sum(first_divergence(s, t) is None for s, t in zip(fp32, int8))
-    print(f"tokens before the first divergence from fp32 (of {8 * 48}): int8 {int8_matched} ({identical} of 8 "
-          f"prompts identical), bf16 {bf16_matched}")
-    assert int8_matched >= 0.5 * bf16_matched
-
-    prompts = [reference.apply_chat_template(conversation) for conversation in conversations]
-    gaps = departure_gaps(reference, prompts, fp32, int8)
-    print(f"fp32 logit gaps where int8 departs: {[round(g, 3) for g in gaps]}")
-    assert all(gap < INT8_NEAR_TIE for gap in gaps), gaps
-
-    int4 = LLM(**budget, dtype="bfloat16", quantization="int4").chat(conversations[:1], params)[0]
+    int4 = LLM(**BUDGET, dtype="bfloat16", quantization="int4").chat(CONVERSATIONS[:1], PARAMS)[0]
     assert "Paris" in int4.outputs[0].text

@@ -230,21 +230,15 @@ def test_int8_pools_hold_each_row_within_half_a_level():
 # outputs lie within ~0.02 of it (measured over the examples; outputs ~0.1-1); a misread scale or layout is off by
 # the outputs' own size.
 INT8_DECODE_TOLERANCE = 5e-2
+# What both int8 kernel tests draw: the kernels take int8 pools for heads of 64 and 128.
+INT8_CASES = dict(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), kv_heads=KV_HEADS,
+                  group=GROUPS, dim=st.sampled_from([64, 128]), window=st.one_of(st.none(), st.integers(1, 40)))
 
 
 @needs_int8_kernels
 @settings(max_examples=40, deadline=None)
-@given(
-    data=st.data(),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    kv_heads=KV_HEADS,
-    group=GROUPS,
-    dim=st.sampled_from([64, 128]),
-    block_size=st.sampled_from([16, 32]),
-    window=st.one_of(st.none(), st.integers(1, 40)),
-    softcap=st.one_of(st.none(), st.floats(5.0, 50.0)),
-    threads=st.integers(1, 4),
-)
+@given(**INT8_CASES, block_size=st.sampled_from([16, 32]), softcap=st.one_of(st.none(), st.floats(5.0, 50.0)),
+       threads=st.integers(1, 4))
 def test_decode_kernel_reads_int8_pools_as_the_gathered_path(data, dtype, kv_heads, group, dim, block_size, window,
                                                              softcap, threads):
     num_blocks = 12
@@ -270,14 +264,7 @@ def test_decode_kernel_reads_int8_pools_as_the_gathered_path(data, dtype, kv_hea
 
 @needs_int8_kernels
 @settings(max_examples=30, deadline=None)
-@given(
-    data=st.data(),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    kv_heads=KV_HEADS,
-    group=GROUPS,
-    dim=st.sampled_from([64, 128]),
-    window=st.one_of(st.none(), st.integers(1, 40)),
-)
+@given(**INT8_CASES)
 def test_prompt_kernel_reads_int8_pools_as_sdpa_over_the_gathered_rows(data, dtype, kv_heads, group, dim, window):
     """The prompt kernel dequantizes the rows it lays out as `_gather` does, so only the arithmetic differs."""
     attn, _, _ = int8_layer(kv_heads, group, dim, block_size=16, num_blocks=24, window=window)
