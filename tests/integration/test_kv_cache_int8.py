@@ -40,7 +40,8 @@ def assert_departs_at_near_ties_only(llm, reference, reference_tokens, conversat
     assert all(gap < INT8_NEAR_TIE for gap in gaps), gaps
 
 
-def test_int8_pools_read_by_the_kernels_keep_the_plain_tokens(reference, reference_tokens, conversations):
+def test_int8_pools_read_by_the_kernels_depart_from_plain_ones_at_near_ties_only(reference, reference_tokens,
+                                                                                  conversations):
     llm = LLM(dtype="float32", kv_cache_dtype="int8", **SMALL)
     attn = llm.engine.runner.model.model.layers[0].self_attn.attn
     assert attn.k_cache.dtype == torch.uint8 and attn.v_cache.dtype == torch.int8
@@ -50,8 +51,8 @@ def test_int8_pools_read_by_the_kernels_keep_the_plain_tokens(reference, referen
     assert_departs_at_near_ties_only(llm, reference, reference_tokens, conversations)
 
 
-def test_int8_pools_on_the_gathered_path_keep_the_plain_tokens(reference, reference_tokens, conversations,
-                                                                 monkeypatch):
+def test_int8_pools_on_the_gathered_path_depart_from_plain_ones_at_near_ties_only(reference, reference_tokens,
+                                                                                   conversations, monkeypatch):
     monkeypatch.setattr(kernels, "_int8_pools", False)  # as on a CPU without AVX-512 VNNI
     llm = LLM(dtype="float32", kv_cache_dtype="int8", **SMALL)
     assert not llm.engine.runner.model.model.layers[0].self_attn.attn._kernels_take_pools()
