@@ -135,8 +135,8 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 def _engine_options(args: argparse.Namespace) -> dict:
     options = dict(dtype=args.dtype, device=args.device)
-    for name in ("max_model_len", "max_num_seqs", "quantization", "enforce_eager", "tensor_parallel_size",
-                 "data_parallel_size", "ray_address"):
+    for name in ("max_model_len", "max_num_seqs", "quantization", "kv_cache_dtype", "enforce_eager",
+                 "tensor_parallel_size", "data_parallel_size", "ray_address"):
         if getattr(args, name, None) is not None:  # unset: leave the engine's own default
             options[name] = getattr(args, name)
     return options
@@ -226,6 +226,9 @@ def _add_model_args(parser: argparse.ArgumentParser, default_dtype: str) -> None
                         help="weight and activation dtype (default: %(default)s)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="(default: auto)")
     parser.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization (CPU)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"],
+                        help="int8: the K/V cache in bytes, each row at its own scale (CPU; default: auto, the "
+                             "model's dtype)")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
                         help="--no-enforce-eager runs decode steps as torch.compile graphs, compiled at start-up "
                              "(about 60 s for SmolLM2 on 2 CPU cores); default: eager")

@@ -94,6 +94,7 @@ def test_chat_applies_the_chat_template(capsys, tiny_llama_dir, model_args):
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--top-p", "0"], "top_p must be in (0, 1]"),
         (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
+        (["--kv-cache-dtype", "int8", "--device", "cuda"], "kv_cache_dtype int8 runs on CPU"),
     ],
 )
 def test_invalid_values_exit_2_with_the_message(capsys, model_args, bad_args, message):
