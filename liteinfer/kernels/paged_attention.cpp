@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "exp16.h"
+#include "int8_pools.h"
 
 namespace {
 
@@ -573,7 +574,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
             for (int64_t quad = 0; quad < n; ++quad) {
               lines.next(kQuadLines);
               __m512i v[kVecs];
-              for (int64_t c = 0; c < kVecs; ++c) v[c] = _mm512_loadu_si512(quads + (quad * kDim + c * 16) * 4);
+              for (int64_t c = 0; c < kVecs; ++c)
+                v[c] = _mm512_loadu_si512(quads + liteinfer::v_byte(quad * 4, c * 16, kDim));
               for (int64_t h = 0; h < heads(); ++h) {
                 int32_t four;
                 std::memcpy(&four, w + h * stride + quad * 4, sizeof(four));
@@ -744,16 +746,7 @@ bool check_query_and_pools(const at::Tensor& q, const at::Tensor& k_cache, const
                 "q and the pools must share a dtype");
     return false;
   }
-  TORCH_CHECK(k_cache.scalar_type() == at::kByte && v_cache.scalar_type() == at::kChar,
-              "int8 pools (scales given) hold K as uint8 and V as int8");
-  TORCH_CHECK(k_cache.size(2) % 4 == 0 && v_cache.dim() == 5 &&
-                  v_cache.sizes() == at::IntArrayRef({k_cache.size(0), k_cache.size(1), k_cache.size(2) / 4,
-                                                      k_cache.size(3), 4}),
-              "an int8 V pool is [blocks, kv_heads, block_size / 4, dim, 4]");
-  for (const at::Tensor* s : {&*k_scales, &*v_scales})
-    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 3 &&
-                    s->sizes() == k_cache.sizes().slice(0, 3),
-                "the pools' scales must be fp32 [blocks, kv_heads, block_size], contiguous");
+  liteinfer::check_int8_pools(k_cache, v_cache, *k_scales, *v_scales);
   TORCH_CHECK(kInt8Pools, "int8 pools need a CPU with AVX-512 VNNI (kernels.int8_pools_available())");
   TORCH_CHECK((q.size(2) == 64 || q.size(2) == 128) && k_cache.size(2) % 16 == 0,
               "int8 pools take head sizes 64 and 128 and blocks of a multiple of 16 keys");
@@ -882,10 +875,10 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
         const int64_t offset = block_start(block, h, kv_heads, block_size, kDim) + row * kDim;
         if (int8) {  // K stored as k + 128; V with four keys' elements side by side (kernels/__init__.py)
           const int64_t scale_at = block_start(block, h, kv_heads, block_size, 1) + row;
-          const int8_t* v_quad = v_bytes + offset - row % 4 * kDim;
+          const int8_t* v_block = v_bytes + block_start(block, h, kv_heads, block_size, kDim);
           for (int64_t d = 0; d < kDim; ++d) {
             kp[k_index(j, d)] = Panel((static_cast<int32_t>(k_bytes[offset + d]) - 128) * k_scales[scale_at]);
-            vp[v_index(j, d)] = Panel(v_quad[d * 4 + row % 4] * v_scales[scale_at]);
+            vp[v_index(j, d)] = Panel(v_block[liteinfer::v_byte(row, d, kDim)] * v_scales[scale_at]);
           }
         } else if constexpr (kBf16) {
           for (int64_t d = 0; d < kDim; ++d) {

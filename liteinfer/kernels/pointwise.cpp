@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "exp16.h"
+#include "int8_pools.h"
 
 namespace {
 
@@ -306,9 +307,10 @@ void write_kv_int8_rows(const at::Tensor& k, const at::Tensor& v, uint8_t* k_poo
                         int64_t block_size, int64_t dim) {
   const scalar_t* k_data = k.data_ptr<scalar_t>();
   const scalar_t* v_data = v.data_ptr<scalar_t>();
-  // Row o of a head's block starts at block_row + o; its V elements lie in its quad, element d at [o / 4][d][o % 4].
+  // Row o of a head's block starts at block_row + o (K rows, scales); its V elements lie among the block's V bytes
+  // for the head (int8_pools.h: v_byte), within the quad of rows o / 4.
   auto block_row = [&](int64_t t, int64_t h) { return (blocks[t] * heads + h) * block_size; };
-  auto v_quad = [&](int64_t t, int64_t h) { return v_pool + (block_row(t, h) + offsets[t] / 4 * 4) * dim; };
+  auto v_block = [&](int64_t t, int64_t h) { return v_pool + block_row(t, h) * dim; };
   // The slots lie anywhere in the pools, so each token's lines (a K row, the V quad its row is spread over, two
   // scales) are requested kAhead tokens before they are written: one at a time, the misses took turns (the write
   // ran ~2.4x as long as the bf16 pools' copy, measured from DRAM).
@@ -317,7 +319,8 @@ void write_kv_int8_rows(const at::Tensor& k, const at::Tensor& v, uint8_t* k_poo
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t row = block_row(t, h) + offsets[t];
       for (int64_t line = 0; line < dim; line += 64) __builtin_prefetch(k_pool + row * dim + line, 1, 3);
-      for (int64_t line = 0; line < 4 * dim; line += 64) __builtin_prefetch(v_quad(t, h) + line, 1, 3);
+      const int8_t* quad = v_block(t, h) + liteinfer::v_byte(offsets[t] / 4 * 4, 0, dim);
+      for (int64_t line = 0; line < 4 * dim; line += 64) __builtin_prefetch(quad + line, 1, 3);
       __builtin_prefetch(k_scales + row, 1, 3);
       __builtin_prefetch(v_scales + row, 1, 3);
     }
@@ -344,8 +347,8 @@ void write_kv_int8_rows(const at::Tensor& k, const at::Tensor& v, uint8_t* k_poo
           for (int64_t d = 0; d < n; ++d) l[d] = static_cast<int32_t>(std::nearbyint(r[d] * to_levels));
           (values ? v_scales : k_scales)[block_row(t, h) + offsets[t]] = largest * (1.f / 127.f);
           if (values) {
-            int8_t* quad = v_quad(t, h) + offsets[t] % 4;
-            for (int64_t d = 0; d < n; ++d) quad[d * 4] = static_cast<int8_t>(l[d]);
+            int8_t* v_row = v_block(t, h) + liteinfer::v_byte(offsets[t], 0, n);  // its elements 4 bytes apart
+            for (int64_t d = 0; d < n; ++d) v_row[d * 4] = static_cast<int8_t>(l[d]);
           } else {
             uint8_t* dst = k_pool + (block_row(t, h) + offsets[t]) * n;
             for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<uint8_t>(l[d] + 128);
@@ -358,15 +361,7 @@ void write_kv_int8_rows(const at::Tensor& k, const at::Tensor& v, uint8_t* k_poo
 void write_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                    at::Tensor& k_scales, at::Tensor& v_scales, const at::Tensor& slot_blocks,
                    const at::Tensor& slot_offsets) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kByte && v_cache.scalar_type() == at::kChar &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) % 4 == 0 &&
-                  v_cache.sizes() == at::IntArrayRef({k_cache.size(0), k_cache.size(1), k_cache.size(2) / 4,
-                                                      k_cache.size(3), 4}),
-              "expected int8 pools: K uint8 [blocks, kv_heads, block_size, dim], V int8 [blocks, kv_heads, "
-              "block_size / 4, dim, 4], contiguous");
-  for (const at::Tensor* s : {&k_scales, &v_scales})
-    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->sizes() == k_cache.sizes().slice(0, 3),
-                "expected the pools' scales fp32 [blocks, kv_heads, block_size], contiguous");
+  liteinfer::check_int8_pools(k_cache, v_cache, k_scales, v_scales);
   const int64_t heads = k_cache.size(1), block_size = k_cache.size(2), dim = k_cache.size(3);
   check_rows_and_slots(k, v, heads, dim, k.scalar_type(), slot_blocks, slot_offsets, k_cache.size(0), block_size);
   LITEINFER_DISPATCH(k.scalar_type(), "write_kv_int8", [&] {
