@@ -222,8 +222,9 @@ def _build() -> None:
 
 def build_tag() -> str:
     """What a build depends on beyond its sources and flags, which torch's builder checks itself: the CPU (model and
-    instruction sets: a build for one CPU may crash on another with an illegal instruction), Python and torch. A
-    cache shared between machines (a home directory on NFS) then keeps one build per kind of machine."""
+    instruction sets: a build for one CPU may crash on another with an illegal instruction), Python, torch, and the
+    headers the sources include (the builder hashes the .cpp files only: a changed header alone left the old build in
+    use). A cache shared between machines (a home directory on NFS) then keeps one build per kind of machine."""
     cpu = [platform.machine(), platform.processor()]
     try:  # Linux: the first CPU's model and flags (x86) or features (Arm)
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -232,7 +233,8 @@ def build_tag() -> str:
     except OSError:
         pass
     identity = "\n".join([*cpu, sys.version, torch.__version__])
-    return hashlib.sha256(identity.encode()).hexdigest()[:12]
+    headers = b"".join(path.read_bytes() for path in source_files() if path.suffix == ".h")
+    return hashlib.sha256(identity.encode() + headers).hexdigest()[:12]
 
 
 def remove_stale_lock(build_directory: Path) -> None:

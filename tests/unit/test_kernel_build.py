@@ -16,6 +16,16 @@ def test_build_tag_follows_the_cpu_python_and_torch():
         assert kernels.build_tag() != tag
 
 
+def test_build_tag_follows_the_headers_the_sources_include(tmp_path):
+    """torch's builder hashes the .cpp files it compiles, not the headers they include."""
+    header = tmp_path / "shared.h"
+    header.write_text("inline int f() { return 1; }")
+    with mock.patch.object(kernels, "source_files", return_value=[tmp_path / "op.cpp", header]):
+        tag = kernels.build_tag()
+        header.write_text("inline int f() { return 2; }")
+        assert kernels.build_tag() != tag
+
+
 def test_a_stale_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     lock = tmp_path / "lock"
     lock.touch()
