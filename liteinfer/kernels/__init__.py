@@ -33,7 +33,8 @@ query_starts [spans + 1] int64, positions [tokens] int64, scale, sliding_window 
 span s is rows query_starts[s]..query_starts[s + 1] of q, each row attending to keys 0..its position of that span's
 sequence (the last `sliding_window` when set), read through block_tables[s]; head sizes 64 and 128, no soft-capping;
 built on AVX-512 CPUs only (`prefill_available()`); k_scales=None, v_scales=None as in the decode op (int8 pools'
-rows dequantized to q's dtype).
+rows dequantized to q's dtype). bf16 softmax weights are rounded to bf16 before they multiply the values, as in
+PyTorch's flash attention; on CPUs with AMX, bf16 goes through its tiles (the same roundings, sums in fp32).
 
 `packed_linear(x [rows, in], weight [out / 16, in / pair, 16, pair], bias [out] or None)` -> [rows, out] =
 x W^T (+ bias), summed in fp32, in x's dtype (fp32: pair 1; bf16: pair 2), for W [out, in] packed by

@@ -35,8 +35,7 @@
 #include <utility>
 #include <vector>
 
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 namespace {
 
@@ -212,8 +211,7 @@ void tile(const T* x, int64_t k, const T* w, const T* bias, T* y, int64_t n, Pre
 }
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define LITEINFER_PACKED_AMX
+#if defined(LITEINFER_AMX)
 // CPUs with AMX (Intel Xeon since Sapphire Rapids) multiply bf16 in tiles: one tdpbf16ps adds a 16 x 32 tile of x
 // times 32 inputs' weights for 16 outputs into 16 x 16 fp32 sums, 16x the work of a vdpbf16ps. The packed layout is
 // already what a tile of W wants: 16 consecutive steps of a block, one 64-byte row each, NB * 64 bytes apart. A
@@ -221,22 +219,7 @@ void tile(const T* x, int64_t k, const T* w, const T* bias, T* y, int64_t n, Pre
 // tiles 4..3+NB; every 16 rows re-read the group from L2. Rows are taken 16 at a time, the last 16 from a
 // zero-padded copy of x; inputs must come in multiples of 32 (else the AVX-512 tiles serve).
 
-// Linux hands out AMX's tile registers only to a process that asks for them (its state is 8 KB per thread).
-bool amx_permitted() {
-  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  static const bool permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  return permitted;
-}
-
-// The tiles' shapes (ldtilecfg's 64-byte layout, palette 1): every tile 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-  explicit TileConfig(int tiles) {
-    for (int t = 0; t < tiles; ++t) bytes_per_row[t] = 64, rows[t] = 16;
-  }
-};
+using liteinfer::amx_permitted, liteinfer::TileConfig;
 
 constexpr int64_t AMX_ROWS = 16, AMX_INPUTS = 32;
 
@@ -352,7 +335,7 @@ bool packed_linear_takes(at::ScalarType dtype) {
 
 // Whether bf16 takes the AMX tiles here (built for them, and the kernel grants their state).
 bool packed_linear_amx() {
-#if defined(LITEINFER_PACKED_AMX)
+#if defined(LITEINFER_AMX)
   return amx_permitted();
 #else
   return false;
@@ -373,7 +356,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
               "the bias must be [out], in x's dtype");
   const at::Tensor x_ = x.contiguous(), b = bias ? bias->contiguous() : at::Tensor();
   at::Tensor y = at::empty({m, n}, x.options());
-#if defined(LITEINFER_PACKED_AMX)
+#if defined(LITEINFER_AMX)
   if (pair == 2 && k % AMX_INPUTS == 0 && amx_permitted()) {
     amx_rows(x_.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
              b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), m, n, k);

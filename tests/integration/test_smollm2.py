@@ -187,8 +187,11 @@ def test_fp32_logprobs_match_transformers(llm_fp32, hf_model, prompt_ids):
     print(f"fp32 logprobs: max |ours - transformers| = {max_error:.2e}")
 
 
+# Not France: its answer starts at a near-tie of the fp32 logits ("The" -1.883 against "L" -1.965), where bf16 may go
+# either way (it went to "L'Étoile, la Marseillaise, ..." once prompt attention summed in AMX tiles, an exact tie
+# there). Germany's answer has no fp32 gap under 0.66 in its first 12 tokens.
 BF16_PROMPTS = [
-    "What is the capital of France?",
+    "What is the capital of Germany?",
     "What is the capital of Japan?",
     "Name the three primary colors.",
     "Write one sentence about why people like cats.",
@@ -212,7 +215,7 @@ def test_bf16_answers_fluently(llm_bf16):
         # Degenerate output (one word looping) has few distinct words.
         assert len({w.lower() for w in words}) >= 0.4 * len(words), text
     # Facts this 135M model gets right in float32 (it does not know the largest planet, say) must survive bf16.
-    assert "Paris" in texts[0]
+    assert "Berlin" in texts[0]
     assert "Tokyo" in texts[1]
     assert {"red", "blue", "yellow"} <= {w.lower() for w in re.findall(r"[A-Za-z]+", texts[2])}
 
