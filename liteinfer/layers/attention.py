@@ -132,7 +132,7 @@ class PagedAttention(nn.Module):
     def _prompt_kernel_takes(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Our prompt kernel: on AVX-512 CPUs, for head sizes 64 and 128 without soft-capping, and while no query reads
         more than PROMPT_KERNEL_MAX_KEYS keys, past which PyTorch's flash SDPA is as fast or faster (bf16 at 2,048
-        keys: 38.7 vs 35.7 ms a layer; at 1,024: 10.1 vs 10.8; on an Intel Xeon, both in AMX tiles: 8.6 vs 7.5 and
+        keys: 38.7 vs 35.7 ms a layer; at 1,024: 10.1 vs 10.8; on an Intel Xeon with ours in AMX tiles: 8.6 vs 7.5 and
         2.8 vs 2.5, at 512 keys 0.7 vs 0.9; docs/benchmarks.md)."""
         return (q.is_cpu and self.logit_softcap is None and self.head_dim in (64, 128) and kernels.prefill_available()
                 and self._kernels_take_pools() and meta.prefill_spans[2] <= PROMPT_KERNEL_MAX_KEYS)
