@@ -112,6 +112,37 @@ def test_prompt_kernel_matches_sdpa_per_span(data, dtype, kv_heads, group, dim, 
     torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@needs_prompt_kernel
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("window", [None, 100])
+def test_prompt_kernel_matches_sdpa_over_long_spans(dim, window):
+    """Spans of hundreds of keys in bf16: the online softmax over many steps (16-key panels, or 64-key steps in AMX
+    tiles), the running maxima rising along them, and tasks of 16 rows past a span's first."""
+    torch.manual_seed(0)
+    attn = PagedAttention(9, 3, dim, dim**-0.5, sliding_window=window)
+    attn.k_cache = torch.randn(64, 3, 16, dim).bfloat16()
+    attn.v_cache = torch.randn(64, 3, 16, dim).bfloat16()
+    attn.k_cache[..., 0] *= torch.linspace(1, 8, 64)[:, None, None]  # later keys' scores grow: maxima move late
+    tables = torch.randperm(64).view(2, 32)
+    lengths, contexts = (300, 37), (0, 450)  # a whole prompt; a chunk on top of a cached context
+    spans, positions, row = [], [], 0
+    for table, length, context in zip(tables, lengths, contexts, strict=True):
+        spans.append(PrefillSpan(row, row + length, table))
+        positions += range(context, context + length)
+        row += length
+    no_slots = torch.zeros(row, dtype=torch.long)  # the K/V are in the pools already
+    meta = AttentionMetadata(slot_blocks=no_slots, slot_offsets=no_slots, positions=torch.tensor(positions),
+                             decode_block_tables=torch.zeros(0, 1, dtype=torch.long), prefills=spans)
+    q = torch.randn(row, 9, dim).bfloat16()
+
+    out = attn._attend_prefills(q, meta)  # the kernel, on CPU
+    with mock.patch.object(kernels, "prefill_available", return_value=False):
+        expected = attn._attend_prefills(q, meta)  # SDPA, one span at a time
+
+    tolerance = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
 def test_kernel_refuses_mismatched_inputs():
     assert kernels.load()
     pool = torch.zeros(4, 2, 4, 8)  # [blocks, kv_heads, block_size, dim]
