@@ -1,7 +1,8 @@
 // Attention over the paged KV cache, reading each key and value row where it lies in the pool, no gathered copy.
 // Decode: one pass over a sequence's keys, one over its values. Prompts (AVX-512 builds): queries 16 rows at a time
-// against keys 16 at a time, softmax online. Registered (CPU) as torch.ops.liteinfer.paged_decode_attention and
-// paged_prefill_attention; liteinfer/kernels/__init__.py builds them and gives their contract.
+// against keys 16 at a time (64 at a time in AMX tiles where the CPU has them), softmax online. Registered (CPU) as
+// torch.ops.liteinfer.paged_decode_attention and paged_prefill_attention; liteinfer/kernels/__init__.py builds them
+// and gives their contract.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -972,7 +973,8 @@ void amx_prompt_tasks(const PromptTasks& t) {
 // each task takes 16 query rows with their group's heads against one KV head, a panel at a time: scores as FMAs
 // (or bf16 pair products) of broadcast query elements with panel rows (four queries per panel read), softmax online
 // (a running max and sum per query), the values summed in registers (in bf16, the softmax weights rounded to bf16
-// for the pair products, as PyTorch's flash attention rounds them).
+// for the pair products, as PyTorch's flash attention rounds them). On CPUs with AMX, bf16 tasks run in its tiles
+// instead (amx_prompt_tasks, above), on the same panels.
 // int8 pools (k_scales and v_scales given) are laid out in panels dequantized, in q's dtype.
 template <typename scalar_t, int64_t kDim>
 void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
