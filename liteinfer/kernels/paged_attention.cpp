@@ -114,6 +114,20 @@ constexpr float kHidden = -1e30f;  // the score of a key a query may not see: e^
 // The mask of a vector's first min(n, 16) lanes: the rows or scores left when fewer than 16 remain.
 inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
 
+// The first key a query at `position` sees: 0, or where its sliding window (when set) starts.
+inline int64_t first_visible_key(int64_t position, int64_t sliding_window) {
+  return sliding_window > 0 ? std::max<int64_t>(0, position - sliding_window + 1) : 0;
+}
+
+// Which of keys first..first + 15 a query at `position` sees (the prompt kernel's causal and window mask).
+inline __mmask16 visible_keys(int64_t first, int64_t position, int64_t sliding_window) {
+  const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first)),
+                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const int64_t window_start = first_visible_key(position, sliding_window);
+  return _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(position))) &
+         _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(window_start)));
+}
+
 using liteinfer::exp16;
 
 // 16 elements of a cache row as fp32, in registers.
@@ -846,7 +860,6 @@ void amx_prompt_tasks(const PromptTasks& t) {
   static_assert(kDim % 64 == 0, "the values' sums are taken 64 dims (four tiles) at a time");
   using bf16 = c10::BFloat16;
   constexpr int64_t kStride = kAmxKeys * sizeof(float);  // a row of the 16 x 64 fp32 `step` buffer
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 scale = _mm512_set1_ps(t.scale);
   at::parallel_for(0, t.tasks * t.kv_heads, 1, [&](int64_t begin, int64_t end) {
     const liteinfer::TileConfig config(8);
@@ -871,19 +884,13 @@ void amx_prompt_tasks(const PromptTasks& t) {
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(run_max.begin(), run_max.end(), kHidden);
       std::fill(run_sum.begin(), run_sum.end(), 0.f);
-      const int64_t lo = t.sliding_window > 0 ? std::max<int64_t>(0, t.pos[r0] - t.sliding_window + 1) : 0;
-      const int64_t hi = t.pos[r0 + rows - 1];
+      const int64_t lo = first_visible_key(t.pos[r0], t.sliding_window), hi = t.pos[r0 + rows - 1];
       for (int64_t first = lo - lo % kAmxKeys; first <= hi; first += kAmxKeys) {
         const bf16* kp = t.k_panels + (h * t.keys + t.key_base[s] + first) * kDim;
         const bf16* vp = t.v_panels + (h * t.keys + t.key_base[s] + first) * kDim;
-        for (int64_t i = 0; i < rows; ++i) {
-          const int64_t p = t.pos[r0 + i], window_start = t.sliding_window > 0 ? p - t.sliding_window + 1 : 0;
-          for (int64_t v = 0; v < kAmxKeys / 16; ++v) {
-            const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first + v * 16)), lane);
-            visible[i][v] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(p))) &
-                            _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(window_start)));
-          }
-        }
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t v = 0; v < kAmxKeys / 16; ++v)
+            visible[i][v] = visible_keys(first + v * 16, t.pos[r0 + i], t.sliding_window);
         for (int64_t g = 0; g < t.group; ++g) {
           const bf16* q = queries.data() + g * kAmxRows * kDim;
           _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -1061,7 +1068,6 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
                                      sliding_window});
   }
 #endif
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   at::parallel_for(0, static_cast<int64_t>(task_span.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
     const int64_t max_queries = kRowsPerTask * group;
     std::vector<float> query(max_queries * kDim), acc(max_queries * kDim), run_max(max_queries),
@@ -1085,7 +1091,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
       std::fill(run_max.begin(), run_max.begin() + queries, kHidden);
       std::fill(run_sum.begin(), run_sum.begin() + queries, 0.f);
       // Positions grow along a span: the first row sees the first key, the last row the last.
-      const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, pos[r0] - sliding_window + 1) : 0, hi = pos[r1 - 1];
+      const int64_t lo = first_visible_key(pos[r0], sliding_window), hi = pos[r1 - 1];
       for (int64_t first = lo - lo % kPanel; first <= hi; first += kPanel) {
         const Panel* kp = k_panels.get() + (h * keys + key_base[s] + first) * kDim;
         const Panel* vp = v_panels.get() + (h * keys + key_base[s] + first) * kDim;
@@ -1094,11 +1100,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
           panel_scores<4, kDim>(query_rows.data() + i, kp, static_cast<float>(scale), scores.data() + i * kPanel);
         for (; i < queries; ++i)
           panel_scores<1, kDim>(query_rows.data() + i, kp, static_cast<float>(scale), scores.data() + i * kPanel);
-        const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first)), lane);
         for (int64_t i = 0; i < queries; ++i) {
-          const int64_t p = pos[r0 + i / group], window_start = sliding_window > 0 ? p - sliding_window + 1 : 0;
-          const __mmask16 visible = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(p))) &
-                                    _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(window_start)));
+          const __mmask16 visible = visible_keys(first, pos[r0 + i / group], sliding_window);
           if (!visible) continue;
           const __m512 x = _mm512_mask_blend_ps(visible, _mm512_set1_ps(kHidden), _mm512_loadu_ps(&scores[i * kPanel]));
           const float new_max = std::max(run_max[i], _mm512_reduce_max_ps(x));
