@@ -7,6 +7,14 @@ prompt tokens of the others (chunked prefill, oldest first, as liteinfer's sched
 unbounded (no preemption). The weights are random, of the model's shapes and in the benchmark's precision,
 packed the way liteinfer holds them (`layers/linear.py: pack_linears`): a weight's values do not change its speed. The
 LM head runs only on the rows that sample. Output token ids are all 0: the harness checks only their count.
+
+With `kv_reads=auto` (K/V in the benchmark's precision) or `kv_reads=int8` (a byte an element and an fp32 scale a
+row, as `kv_cache_dtype="int8"` stores them), each step also reads the bytes that its attention must read from the
+KV cache: every layer's K and V rows of each sequence's context (its keys up to the step's last token; sliding
+windows are not taken off), once, as one plain fp32 sum over a buffer that holds them all (a streaming read: about
+the machine's memory bandwidth once the bytes outgrow its caches, and served from its caches when they do not, as an
+engine's would be). That is the ceiling for an engine whose attention reads its cache once a step and does nothing
+else; the linears-only roofline is not changed by it.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import torch
 from benchmarks.metrics import RequestTrace
 from benchmarks.runners.base import TORCH_DTYPES, EngineRunner
 from benchmarks.workloads import BenchRequest
+from liteinfer.cache import KVCache
 from liteinfer.layers.linear import linear, pack_linears
 from liteinfer.models import get_model_class
 from liteinfer.models.source import load_config, resolve_model
@@ -33,14 +42,22 @@ class LinearsRooflineRunner(EngineRunner):
 
     def start(self) -> None:
         torch.set_num_threads(self.threads)
-        unknown = set(self.spec.options) - {"max_num_batched_tokens", "max_num_seqs"}
+        unknown = set(self.spec.options) - {"max_num_batched_tokens", "max_num_seqs", "kv_reads"}
         if unknown:
-            raise ValueError(f"roofline options are max_num_batched_tokens and max_num_seqs, not {sorted(unknown)}")
+            raise ValueError("roofline options are max_num_batched_tokens, max_num_seqs and kv_reads, "
+                             f"not {sorted(unknown)}")
         self.budget = self.spec.options.get("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
         self.max_running = self.spec.options.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+        kv_reads = self.spec.options.get("kv_reads")
+        if kv_reads not in (None, "auto", "int8"):
+            raise ValueError(f"kv_reads is auto (the benchmark's precision) or int8, not {kv_reads!r}")
         hf_config = load_config(resolve_model(self.model))
         spec = get_model_class(hf_config.architectures).spec(hf_config)
         dtype = getattr(torch, TORCH_DTYPES[self.spec.precision])
+        # A key's K and V rows in every layer, or 0: no cache read.
+        self.kv_bytes_per_key = 0 if kv_reads is None else KVCache.bytes_per_block(
+            len(spec.layer_types), 1, spec.num_kv_heads, spec.head_dim, dtype, int8=kv_reads == "int8")
+        self.kv_buffer = torch.empty(0)
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         layer = [(spec.hidden_size, q_size + 2 * kv_size), (q_size, spec.hidden_size),
                  (spec.hidden_size, 2 * spec.intermediate_size), (spec.intermediate_size, spec.hidden_size)]
@@ -55,16 +72,24 @@ class LinearsRooflineRunner(EngineRunner):
         self.inputs = {n_in: torch.randn(self.budget, n_in, dtype=dtype) for n_in, _ in layer}
         self.details = {"torch": torch.__version__, "threads": torch.get_num_threads(),
                         "max_num_batched_tokens": self.budget, "max_num_seqs": self.max_running,
-                        "linears_per_step": len(self.linears) + 1}
+                        "linears_per_step": len(self.linears) + 1, "kv_bytes_per_key": self.kv_bytes_per_key}
 
     @torch.inference_mode()
-    def _step(self, num_tokens: int, num_sampled: int) -> None:
+    def _step(self, num_tokens: int, num_sampled: int, num_keys: int) -> None:
+        """A step of `num_tokens` rows, `num_sampled` of them sampled, whose attention reads `num_keys` keys."""
         for module in self.linears:
             linear(self.inputs[module.in_features][:num_tokens], module.weight)
         if num_sampled:
             linear(self.inputs[self.lm_head.in_features][:num_sampled], self.lm_head.weight)
+        if self.kv_bytes_per_key:
+            self.kv_buffer[: num_keys * self.kv_bytes_per_key // 4].sum()
 
     def run(self, requests: list[BenchRequest]) -> list[RequestTrace]:
+        if self.kv_bytes_per_key:
+            # Room for every request's whole cache at once, its pages touched before the clock starts.
+            keys = sum(len(r.prompt_token_ids) + r.output_len for r in requests)
+            if self.kv_buffer.numel() < keys * self.kv_bytes_per_key // 4:
+                self.kv_buffer = torch.ones(keys * self.kv_bytes_per_key // 4)
         submitted = time.perf_counter()
         traces = [RequestTrace(submitted, [], []) for _ in requests]
         prefilled = [0] * len(requests)  # prompt tokens computed so far, per request
@@ -76,15 +101,19 @@ class LinearsRooflineRunner(EngineRunner):
             decodes = [i for i in running if prefilled[i] == len(requests[i].prompt_token_ids)]
             budget = self.budget - len(decodes)
             sampling = list(decodes)
+            # A decode reads its prompt's keys and those of the tokens it has generated (the newest one's own, which
+            # this step writes, included); a prompt chunk, the keys up to the chunk's end.
+            num_keys = sum(prefilled[i] + len(traces[i].token_ids) for i in decodes)
             for i in running:
                 remaining = len(requests[i].prompt_token_ids) - prefilled[i]
                 if remaining and budget:
                     chunk = min(remaining, budget)
                     prefilled[i] += chunk
+                    num_keys += prefilled[i]
                     budget -= chunk
                     if chunk == remaining:
                         sampling.append(i)
-            self._step(self.budget - budget, len(sampling))
+            self._step(self.budget - budget, len(sampling), num_keys)
             now = time.perf_counter()
             for i in sampling:
                 traces[i].token_ids.append(0)
