@@ -82,14 +82,18 @@ class LinearsRooflineRunner(EngineRunner):
         if num_sampled:
             linear(self.inputs[self.lm_head.in_features][:num_sampled], self.lm_head.weight)
         if self.kv_bytes_per_key:
-            self.kv_buffer[: num_keys * self.kv_bytes_per_key // 4].sum()
+            self.kv_buffer[: self._kv_elements(num_keys)].sum()
+
+    def _kv_elements(self, num_keys: int) -> int:
+        """The elements of the (fp32) buffer that hold `num_keys` keys' K/V bytes."""
+        return num_keys * self.kv_bytes_per_key // 4
 
     def run(self, requests: list[BenchRequest]) -> list[RequestTrace]:
         if self.kv_bytes_per_key:
             # Room for every request's whole cache at once, its pages touched before the clock starts.
-            keys = sum(len(r.prompt_token_ids) + r.output_len for r in requests)
-            if self.kv_buffer.numel() < keys * self.kv_bytes_per_key // 4:
-                self.kv_buffer = torch.ones(keys * self.kv_bytes_per_key // 4)
+            elements = self._kv_elements(sum(len(r.prompt_token_ids) + r.output_len for r in requests))
+            if self.kv_buffer.numel() < elements:
+                self.kv_buffer = torch.ones(elements)
         submitted = time.perf_counter()
         traces = [RequestTrace(submitted, [], []) for _ in requests]
         prefilled = [0] * len(requests)  # prompt tokens computed so far, per request
