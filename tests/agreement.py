@@ -43,10 +43,10 @@ def departure_gaps(reference: LLM, prompts: list[list[int]], reference_tokens: l
     return gaps
 
 
-def assert_agrees_with_fp32_as_closely_as_bf16(candidate: list[list[int]], label: str, near_tie: float) -> None:
+def assert_agrees_with_fp32_as_closely_as_bf16(candidate: list[list[int]], label: str, near_tie: float) -> int:
     """`candidate`: a lossy option's tokens for CONVERSATIONS under PARAMS. It must keep at least half of bf16's
     agreement with the plain fp32 engine (tokens before the first divergence), each of its first divergences at a
-    near-tie of the fp32 logits (a gap under `near_tie`)."""
+    near-tie of the fp32 logits (a gap under `near_tie`). Returns how many prompts it kept identical."""
     reference = LLM(**BUDGET, dtype="float32")
     fp32 = chat_tokens(reference)
     bf16 = chat_tokens(LLM(**BUDGET, dtype="bfloat16"))
@@ -60,3 +60,4 @@ def assert_agrees_with_fp32_as_closely_as_bf16(candidate: list[list[int]], label
     gaps = departure_gaps(reference, prompts, fp32, candidate)
     print(f"fp32 logit gaps where {label} departs: {[round(g, 3) for g in gaps]}")
     assert all(gap < near_tie for gap in gaps), gaps
+    return identical

@@ -43,13 +43,14 @@ AVX-512 BF16 (fp32 and bf16) or with AVX2 and FMA (bf16 only): `packed_linear_av
 (`packed_linear_amx()`), bf16 with inputs in multiples of 32 is multiplied in AMX tiles, the sums still fp32 (the
 tiles take subnormal bf16 inputs as zero).
 
-`gemv(x [1, in], weight [out, in] contiguous, scales [out] or None, bias [out] or None)` -> [1, out] =
-x (weight * scales)^T (+ bias), summed in fp32, in x's dtype (fp32 or bf16): a float weight is in x's dtype and
-takes no scales; an int8 weight takes one scale per row (layers/quantization.py's int8); an int4 weight is
-[out, in / 2] uint8 in `layers/quantization.py: gemv_int4_layout` and takes scales [out, in / 64, 2] holding
-(scale, zero) per group of 64 inputs, the weight being (level - 8) * scale + zero. On x86 CPUs with AVX2, int8 and
-int4 weights are multiplied in integers against x rounded to 16-bit levels per group of 64 inputs (each input off
-by at most half of its group's largest |x| / 32767).
+`gemv(x [1, in], weight [out, in] contiguous, scales_and_zeros or None, bias [out] or None)` -> [1, out] =
+x W^T (+ bias), summed in fp32, in x's dtype (fp32 or bf16): a float weight W is in x's dtype and takes no scales;
+an int8 weight takes x [rows, in] (any number of rows: a row's result does not depend on the others) and
+scales_and_zeros [out, 2, in / 32] fp16 holding each row's scales and then its zeros, one per group of 32 inputs, W
+being level * scale + zero (layers/quantization.py's int8); an int4 weight is [out, in / 2] uint8 in `layers/quantization.py:
+gemv_int4_layout` and takes scales_and_zeros [out, in / 64, 2] in x's dtype per group of 64 inputs, W being
+(level - 8) * scale + zero. On x86 CPUs with AVX2, int8 and int4 weights are multiplied in integers against x
+rounded to 16-bit levels per group of 64 inputs (each input off by at most half of its group's largest |x| / 32767).
 
 `argmax(logits [rows, vocab] fp32 or bf16)` -> [rows] int64: the first index of each row's largest value, as
 `torch.argmax` gives it, except that NaN is skipped rather than taken as the largest.
@@ -177,7 +178,7 @@ def _build() -> None:
 
     @torch.library.register_fake("liteinfer::gemv")
     def _(x, weight, scales, bias):
-        return x.new_empty(1, weight.shape[0])
+        return x.new_empty(x.shape[0], weight.shape[0])
 
     if hasattr(torch.ops.liteinfer, "packed_linear"):
 

@@ -1,7 +1,7 @@
-// y = x (W * scales)^T (+ b) for a single row x: the only product a decode step of one sequence has. W is float
-// (fp32 or bf16, as x), int8 with one scale per row, or int4 with a scale and a zero per group of 64 inputs
-// (layers/quantization.py's int8 and int4). Registered (CPU) as torch.ops.liteinfer.gemv;
-// liteinfer/kernels/__init__.py builds it and gives its contract.
+// y = x W^T (+ b) for a single row x: the only product a decode step of one sequence has. W is float (fp32 or
+// bf16, as x), or int8 or int4 with a scale and a zero per group of inputs (layers/quantization.py's int8 and int4).
+// int8 weights take any number of rows, as their only kernel for batches too (below). Registered (CPU) as
+// torch.ops.liteinfer.gemv; liteinfer/kernels/__init__.py builds it and gives its contract.
 //
 // At one row a linear layer is a stream through W, bound by memory bandwidth. oneDNN's prepacked matmul reached
 // ~35-42 GB/s on SmolLM2's layers here; streaming W's rows in their checkpoint layout, each thread through its
@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -144,21 +145,23 @@ inline float dot_row<c10::BFloat16, c10::BFloat16>(const c10::BFloat16* w, const
 #endif
 #endif
 
-// Quantized rows. int8: one scale per row. int4: a scale and a zero per group of 64 inputs, the weight being
-// (q - 8) * scale + zero; each group's 64 levels q are 32 bytes, read as sixteen little-endian 16-bit lanes, lane l
+// Quantized rows. int8: a scale and a zero per group of 32 inputs, the weight being q * scale + zero, both fp16, a
+// row's scales side by side and then its zeros. int4: a scale and a zero per group of 64 inputs, the weight being (q - 8) * scale + zero; each group's 64 levels q
+// are 32 bytes, read as sixteen little-endian 16-bit lanes, lane l
 // holding the levels of inputs l, 16 + l, 32 + l, 48 + l in its nibbles from the lowest up
 // (layers/quantization.py: gemv_int4_layout), so that one shift and one mask give sixteen consecutive inputs' levels
 // as 16-bit integers, with no byte shuffles.
 constexpr int64_t kGroup = 64;  // int4's group of inputs, and the group x is rounded in below
+constexpr int64_t kInt8Group = 32;  // int8's
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // On x86 CPUs the products are taken in integers: x is rounded once per call to 16-bit levels per group of 64
 // inputs (level = x / scale, scale = the group's largest |x| / 32767), and each group's sum of weight levels times
 // x levels is exact in int32 (at most 64 * 127 * 32767 < 2^31), then scaled. Sixteen weights a multiply
 // (vpmaddwd, or AVX-512 VNNI's vpdpwssd, which adds as it multiplies), where converting them to fp32 took a
 // conversion per eight or sixteen. Rounding x moves each input by at most half a level: a relative 2^-16 of its
-// group's largest value, below bf16's own rounding (2^-9) and far below the weights' (int8: 2^-8 of the row's
-// largest). On AMD Zen 3 (AVX2) this made SmolLM2's int8 linears 6-15% faster from memory and ~35% from cache; on
+// group's largest value, below bf16's own rounding (2^-9) and far below the weights' (int8: 2^-9 of the group's
+// range). On AMD Zen 3 (AVX2) this made SmolLM2's int8 linears 6-15% faster from memory and ~35% from cache; on
 // AMD Zen 4 (AVX-512, whose 512-bit operations run as two 256-bit halves) int8 16-18% and int4 15-19% faster from
 // memory, 19-33% from cache, against fp32 widening in 16 lanes (int4: in 8; in 16 it was no faster). On the AMD
 // Zen 5 an earlier int16 prototype of int8 was no faster than fp32 widening (docs/benchmarks.md): not measured
@@ -168,13 +171,18 @@ constexpr int64_t kGroup = 64;  // int4's group of inputs, and the group x is ro
 struct Int16Inputs {
   std::vector<int16_t> levels;  // x[i] ≈ levels[i] * scales[i / kGroup]
   std::vector<float> scales;
-  std::vector<float> sums;  // each group's sum of levels, times its scale: the sum of x as rounded
+  // Per int8 group (32 inputs): its levels' scale (its group of 64's), and its sum of levels times that scale (the
+  // sum of x as rounded); zero past the last group up to a multiple of 16, so that they load a chunk at a time.
+  std::vector<float> int8_scales;
+  std::vector<float> sums;
 };
 
 template <typename scalar_t>
 inline Int16Inputs int16_inputs(const scalar_t* x, int64_t k) {
-  const int64_t groups = (k + kGroup - 1) / kGroup;
-  Int16Inputs inputs{std::vector<int16_t>(k), std::vector<float>(groups), std::vector<float>(groups)};
+  const int64_t groups = (k + kGroup - 1) / kGroup, int8_groups = (k + kInt8Group - 1) / kInt8Group;
+  const int64_t padded = (int8_groups + 15) / 16 * 16;
+  Int16Inputs inputs{std::vector<int16_t>(k), std::vector<float>(groups), std::vector<float>(padded),
+                     std::vector<float>(padded)};
   const std::vector<float> x_float(x, x + k);
   const float* xf = x_float.data();
   int16_t* levels = inputs.levels.data();
@@ -191,9 +199,12 @@ inline Int16Inputs int16_inputs(const scalar_t* x, int64_t k) {
                        _mm_packs_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1)));
     }
     for (; i < end; ++i) levels[i] = static_cast<int16_t>(std::lrintf(xf[i] * inverse));
-    int32_t sum = 0;
-    for (i = begin; i < end; ++i) sum += levels[i];
-    inputs.sums[g] = static_cast<float>(sum) * inputs.scales[g];
+    for (int64_t half = begin; half < end; half += kInt8Group) {
+      int32_t sum = 0;
+      for (i = half; i < std::min(end, half + kInt8Group); ++i) sum += levels[i];
+      inputs.int8_scales[half / kInt8Group] = inputs.scales[g];
+      inputs.sums[half / kInt8Group] = static_cast<float>(sum) * inputs.scales[g];
+    }
   }
   return inputs;
 }
@@ -219,29 +230,106 @@ inline __m256 group_sum(const Weights& weights, const int16_t* x) {
   return _mm256_cvtepi32_ps(acc);
 }
 
-inline float dot_row_int8(const int8_t* w, const Int16Inputs& inputs, int64_t k) {
-  const int16_t* levels = inputs.levels.data();
-  __m256 total = _mm256_setzero_ps();
-  int64_t i = 0, g = 0;
-  for (; i + kGroup <= k; i += kGroup, ++g) {
-    auto weights = [&](int64_t j) {
-      return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i + 16 * j)));
-    };
-    total = _mm256_fmadd_ps(group_sum(weights, levels + i), _mm256_set1_ps(inputs.scales[g]), total);
+// int8's vector operations, in the widest registers there are: a group's 32 levels as 16-bit integers, the products
+// with x's levels summed in pairs into int32 lanes, then in fp32; and `chunk` groups' scales or zeros widened from
+// fp16 at once, zero past `count`.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// A group in one 512-bit register: on the Intel Xeon this ran SmolLM2's int8 linears at one row ~10% faster than
+// two 256-bit halves (docs/benchmarks.md).
+struct Int8Vectors {
+  using Float = __m512;
+  using Levels = __m512i;
+  static constexpr int64_t chunk = 16;
+  static Levels load(const int8_t* w) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
   }
-  float result = reduce(total);
-  if (i < k) {  // the last, partial group
-    int32_t group = 0;
-    for (; i < k; ++i) group += static_cast<int32_t>(w[i]) * levels[i];
-    result += static_cast<float>(group) * inputs.scales[g];
+  static Float dot(Levels w, const int16_t* x) {
+    const __m512i xv = _mm512_loadu_si512(x);
+#if defined(__AVX512VNNI__)
+    return _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w, xv));
+#else
+    return _mm512_cvtepi32_ps(_mm512_madd_epi16(w, xv));
+#endif
   }
-  return result;
+  static Float halves(const at::Half* h, int64_t count) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1), h));
+  }
+  static Float zero() { return _mm512_setzero_ps(); }
+  static Float load(const float* v) { return _mm512_loadu_ps(v); }
+  static void store(float* v, Float a) { _mm512_storeu_ps(v, a); }
+  static Float broadcast(float v) { return _mm512_set1_ps(v); }
+  static Float add(Float a, Float b) { return _mm512_add_ps(a, b); }
+  static Float mul(Float a, Float b) { return _mm512_mul_ps(a, b); }
+  static Float fma(Float a, Float b, Float c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(Float a) { return _mm512_reduce_add_ps(a); }
+};
+#else
+struct Int8Vectors {
+  using Float = __m256;
+  struct Levels {
+    __m256i first, second;  // inputs 0-15, 16-31
+  };
+  static constexpr int64_t chunk = 8;
+  static Levels load(const int8_t* w) {
+    return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))),
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)))};
+  }
+  static Float dot(const Levels& w, const int16_t* x) {
+    return _mm256_cvtepi32_ps(multiply_add(multiply_add(_mm256_setzero_si256(), w.first, x), w.second, x + 16));
+  }
+  static Float halves(const at::Half* h, int64_t count) {
+    if (count == chunk) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+    at::Half eight[8] = {};  // (no masked 16-bit loads: the tail through a copy, once a row)
+    std::copy(h, h + count, eight);
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(eight)));
+  }
+  static Float zero() { return _mm256_setzero_ps(); }
+  static Float load(const float* v) { return _mm256_loadu_ps(v); }
+  static void store(float* v, Float a) { _mm256_storeu_ps(v, a); }
+  static Float broadcast(float v) { return _mm256_set1_ps(v); }
+  static Float add(Float a, Float b) { return _mm256_add_ps(a, b); }
+  static Float mul(Float a, Float b) { return _mm256_mul_ps(a, b); }
+  static Float fma(Float a, Float b, Float c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(Float a) { return reduce(a); }
+};
+#endif
+
+// The sums of one row of int8 weights (q s + z per group) times each of R rows of x, as sum of s (q · x) + z (sum
+// of x) over the groups. A chunk of groups at a time, their scales and zeros are widened in one vector each: the
+// zeros times x's sums go into a vector per row of x, and the scales times x's scales are the factors of the
+// groups' integer sums. The weight levels are widened once for all R rows (a tile of x's rows, where there are
+// several), and each row of x gets the same operations in the same order whatever R is: a row's result does not
+// depend on the rows beside it.
+template <int R>
+inline void dot_rows_int8(const int8_t* w, const Int16Inputs* const* inputs, const at::Half* scales,
+                          const at::Half* zeros, int64_t groups, float* out) {
+  using V = Int8Vectors;
+  typename V::Float total[R], offsets[R];
+  for (int r = 0; r < R; ++r) total[r] = offsets[r] = V::zero();
+  for (int64_t g0 = 0; g0 < groups; g0 += V::chunk) {
+    const int64_t count = std::min(V::chunk, groups - g0);
+    const typename V::Float s = V::halves(scales + g0, count), z = V::halves(zeros + g0, count);
+    alignas(64) float factors[R][V::chunk];
+    for (int r = 0; r < R; ++r) {
+      V::store(factors[r], V::mul(s, V::load(inputs[r]->int8_scales.data() + g0)));
+      offsets[r] = V::fma(z, V::load(inputs[r]->sums.data() + g0), offsets[r]);
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      const typename V::Levels levels = V::load(w + (g0 + j) * kInt8Group);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int16_t* x = inputs[r]->levels.data() + (g0 + j) * kInt8Group;
+        total[r] = V::fma(V::dot(levels, x), V::broadcast(factors[r][j]), total[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = V::sum(V::add(total[r], offsets[r]));
 }
 
 // A row's sum of ((q - 8) s + z) x over its groups, as sum of s (q · x) + (z - 8 s) (sum of x); `scales_and_zeros`
 // holds the row's (s, z) pairs.
 template <typename scale_t>
-inline float dot_row_int4(const uint8_t* w, const Int16Inputs& inputs, const scale_t* scales_and_zeros,
+inline float dot_row_int4(const uint8_t* w, const Int16Inputs* inputs, const scale_t* scales_and_zeros,
                           int64_t groups) {
   const __m256i nibble = _mm256_set1_epi16(0xF);
   __m256 total = _mm256_setzero_ps();  // the s (q · x) terms, reduced once at the end
@@ -254,15 +342,26 @@ inline float dot_row_int4(const uint8_t* w, const Int16Inputs& inputs, const sca
       const __m256i shifted = _mm256_srli_epi16(lanes, static_cast<int>(4 * j));
       return j == 3 ? shifted : _mm256_and_si256(shifted, nibble);
     };
-    total = _mm256_fmadd_ps(group_sum(weights, inputs.levels.data() + g * kGroup),
-                            _mm256_set1_ps(scale * inputs.scales[g]), total);
-    offset += (zero - 8 * scale) * inputs.sums[g];
+    total = _mm256_fmadd_ps(group_sum(weights, inputs->levels.data() + g * kGroup),
+                            _mm256_set1_ps(scale * inputs->scales[g]), total);
+    offset += (zero - 8 * scale) * (inputs->sums[2 * g] + inputs->sums[2 * g + 1]);
   }
   return reduce(total) + offset;
 }
 #else
 // The portable forms, in fp32 against x as given.
-inline float dot_row_int8(const int8_t* w, const float* x, int64_t k) { return dot_row(w, x, k); }
+template <int R>
+inline void dot_rows_int8(const int8_t* w, const float* const* x, const at::Half* scales, const at::Half* zeros,
+                          int64_t groups, float* out) {
+  for (int r = 0; r < R; ++r) {
+    float sum = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float scale = static_cast<float>(scales[g]), zero = static_cast<float>(zeros[g]);
+      for (int64_t i = g * kInt8Group; i < (g + 1) * kInt8Group; ++i) sum += (w[i] * scale + zero) * x[r][i];
+    }
+    out[r] = sum;
+  }
+}
 
 template <typename scale_t>
 inline float dot_row_int4(const uint8_t* w, const float* x, const scale_t* scales_and_zeros, int64_t groups) {
@@ -281,63 +380,118 @@ inline float dot_row_int4(const uint8_t* w, const float* x, const scale_t* scale
 }
 #endif
 
+// A row of x as the quantized rows read it: rounded to 16-bit levels (x86), or widened to fp32 (otherwise); `row_ref`
+// is what their dot products take.
+#if defined(LITEINFER_GEMV_INT16_INPUTS)
+using RowInputs = Int16Inputs;
+template <typename scalar_t>
+RowInputs row_inputs(const scalar_t* x, int64_t k) { return int16_inputs(x, k); }
+inline const Int16Inputs* row_ref(const RowInputs& row) { return &row; }
+#else
+using RowInputs = std::vector<float>;
+template <typename scalar_t>
+RowInputs row_inputs(const scalar_t* x, int64_t k) { return RowInputs(x, x + k); }
+inline const float* row_ref(const RowInputs& row) { return row.data(); }
+#endif
+using RowRef = decltype(row_ref(std::declval<const RowInputs&>()));
+
+template <typename out_t>
+inline out_t output(float v, const out_t* bias, int64_t row) {
+  return static_cast<out_t>(bias ? v + static_cast<float>(bias[row]) : v);
+}
+
 // y[row] = row_dot(row) (+ bias[row]) for rows 0..n, each thread streaming one contiguous share of W's rows.
 template <typename out_t, typename RowDot>
 void gemv_rows(const RowDot& row_dot, const out_t* bias, out_t* y, int64_t n) {
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const float v = row_dot(row);
-      y[row] = static_cast<out_t>(bias ? v + static_cast<float>(bias[row]) : v);
-    }
+    for (int64_t row = begin; row < end; ++row) y[row] = output(row_dot(row), bias, row);
   });
+}
+
+// int8 weights against m rows of x, y [m, n]. Each thread takes a contiguous share of W's rows, kRowBlock at a time,
+// and runs every row of x over a block, kTile rows of x at a time, while the block sits in L1 (16 rows of 1,536
+// inputs: 24 KB); x's rows kRowsPerPass at a time, so that their levels stay in L2 (128 x 1,536 x 2 bytes: 384 KB).
+// With one row of x this is the GEMV's stream through W, row after row.
+constexpr int64_t kRowBlock = 16, kRowsPerPass = 128;
+constexpr int kTile = 4;
+
+template <int R, typename out_t>
+void int8_tile(const int8_t* w, const at::Half* scales_and_zeros, const RowRef* x, const out_t* bias, out_t* y,
+               int64_t row_begin, int64_t row_end, int64_t n, int64_t k) {
+  const int64_t groups = k / kInt8Group;
+  for (int64_t row = row_begin; row < row_end; ++row) {
+    float sums[R];
+    const at::Half* scales = scales_and_zeros + row * groups * 2;
+    dot_rows_int8<R>(w + row * k, x, scales, scales + groups, groups, sums);
+    for (int r = 0; r < R; ++r) y[r * n + row] = output(sums[r], bias, row);
+  }
+}
+
+template <typename out_t>
+void int8_rows(const int8_t* w, const at::Half* scales_and_zeros, const std::vector<RowInputs>& x, const out_t* bias,
+               out_t* y, int64_t n, int64_t k) {
+  const int64_t m = static_cast<int64_t>(x.size());
+  std::vector<RowRef> refs;
+  for (const RowInputs& row : x) refs.push_back(row_ref(row));
+  for (int64_t m0 = 0; m0 < m; m0 += kRowsPerPass) {
+    const int64_t m_end = std::min(m, m0 + kRowsPerPass);
+    at::parallel_for(0, n, kRowBlock, [&](int64_t begin, int64_t end) {
+      for (int64_t b0 = begin; b0 < end; b0 += kRowBlock) {
+        const int64_t b_end = std::min(end, b0 + kRowBlock);
+        int64_t r = m0;
+        for (; r + kTile <= m_end; r += kTile)
+          int8_tile<kTile>(w, scales_and_zeros, refs.data() + r, bias, y + r * n, b0, b_end, n, k);
+        for (; r < m_end; ++r) int8_tile<1>(w, scales_and_zeros, refs.data() + r, bias, y + r * n, b0, b_end, n, k);
+      }
+    });
+  }
 }
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
                 const c10::optional<at::Tensor>& bias) {
   const bool int8 = weight.scalar_type() == at::kChar, int4 = weight.scalar_type() == at::kByte;
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weight.dim() == 2 && x.size(1) == weight.size(1) * (int4 ? 2 : 1),
-              "expected x [1, in] and weight [out, in] (int4: [out, in / 2] bytes)");
+  TORCH_CHECK(x.dim() == 2 && (int8 ? x.size(0) >= 1 : x.size(0) == 1) && weight.dim() == 2 &&
+                  x.size(1) == weight.size(1) * (int4 ? 2 : 1),
+              "expected x [1, in] (int8: [rows, in]) and weight [out, in] (int4: [out, in / 2] bytes)");
   TORCH_CHECK(weight.is_contiguous(), "the weight must be contiguous");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "gemv takes fp32 or bf16 x");
   TORCH_CHECK(int8 || int4 || x.scalar_type() == weight.scalar_type(), "x and a float weight must share a dtype");
-  const int64_t n = weight.size(0), k = x.size(1);
+  const int64_t m = x.size(0), n = weight.size(0), k = x.size(1);
   if (int4) {
     TORCH_CHECK(k % kGroup == 0, "int4 weights come in groups of 64 inputs");
     TORCH_CHECK(scales && scales->dim() == 3 && scales->size(0) == n && scales->size(1) == k / kGroup &&
                     scales->size(2) == 2 && scales->scalar_type() == x.scalar_type(),
                 "an int4 weight takes [out, in / 64, 2] scales and zeros, in x's dtype");
+  } else if (int8) {
+    TORCH_CHECK(k % kInt8Group == 0, "int8 weights come in groups of 32 inputs");
+    TORCH_CHECK(scales && scales->dim() == 3 && scales->size(0) == n && scales->size(1) == 2 &&
+                    scales->size(2) == k / kInt8Group && scales->scalar_type() == at::kHalf,
+                "an int8 weight takes [out, 2, in / 32] scales and zeros, in fp16");
   } else {
-    TORCH_CHECK(int8 == scales.has_value(), "an int8 weight takes one scale per row, a float weight none");
+    TORCH_CHECK(!scales, "a float weight takes no scales");
   }
-  for (const auto& t : {int4 ? c10::optional<at::Tensor>() : scales, bias}) {  // (int4's scales are checked above)
-    TORCH_CHECK(!t || (t->dim() == 1 && t->size(0) == n && t->scalar_type() == x.scalar_type()),
-                "scales and bias must be [out], in x's dtype");
-  }
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == x.scalar_type()),
+              "the bias must be [out], in x's dtype");
   const at::Tensor x_ = x.contiguous(), s = scales ? scales->contiguous() : at::Tensor(),
                    b = bias ? bias->contiguous() : at::Tensor();
-  at::Tensor y = at::empty({1, n}, x.options());
+  at::Tensor y = at::empty({m, n}, x.options());
   auto run = [&](auto x_type) {  // for x in fp32 or bf16, the two dtypes checked above
     using scalar_t = decltype(x_type);
-    const scalar_t* s_data = s.defined() ? s.data_ptr<scalar_t>() : nullptr;
     const scalar_t* b_data = b.defined() ? b.data_ptr<scalar_t>() : nullptr;
     scalar_t* y_data = y.data_ptr<scalar_t>();
     const scalar_t* xs = x_.data_ptr<scalar_t>();
-    if (int8 || int4) {  // x rounded to levels (x86) or widened to fp32 (otherwise) once: every row reads it
-#if defined(LITEINFER_GEMV_INT16_INPUTS)
-      const Int16Inputs inputs = int16_inputs(xs, k);
-#else
-      const std::vector<float> x_float(xs, xs + k);
-      const float* inputs = x_float.data();
-#endif
+    if (int8 || int4) {  // each row of x prepared once: every row of W reads it
+      std::vector<RowInputs> rows;
+      for (int64_t r = 0; r < m; ++r) rows.push_back(row_inputs(xs + r * k, k));
       if (int8) {
-        const int8_t* w = weight.data_ptr<int8_t>();
-        gemv_rows([&](int64_t row) { return dot_row_int8(w + row * k, inputs, k) * static_cast<float>(s_data[row]); },
-                  b_data, y_data, n);
+        int8_rows(weight.data_ptr<int8_t>(), s.data_ptr<at::Half>(), rows, b_data, y_data, n, k);
       } else {
         const uint8_t* w = weight.data_ptr<uint8_t>();
+        const scalar_t* s_data = s.data_ptr<scalar_t>();
         const int64_t groups = k / kGroup;
-        gemv_rows([&](int64_t row) { return dot_row_int4(w + row * k / 2, inputs, s_data + row * groups * 2, groups); },
-                  b_data, y_data, n);
+        gemv_rows(
+            [&](int64_t row) { return dot_row_int4(w + row * k / 2, row_ref(rows[0]), s_data + row * groups * 2, groups); },
+            b_data, y_data, n);
       }
     } else {
       const scalar_t* w = weight.data_ptr<scalar_t>();

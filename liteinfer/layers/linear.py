@@ -60,10 +60,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def gemv_takes(x: torch.Tensor) -> bool:
-    """Whether `kernels`' gemv takes `x`: a single sequence's decode step, on CPU, where it streams W faster than
-    oneDNN and PyTorch's int8 kernel do (docs/benchmarks.md)."""
-    return (x.dim() == 2 and x.shape[0] == 1 and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16)
+def gemv_takes(x: torch.Tensor, any_rows: bool = False) -> bool:
+    """Whether `kernels`' gemv takes `x`: a single sequence's decode step (any_rows: any number of rows, as int8
+    weights take it), on CPU, where it streams W faster than oneDNN does (docs/benchmarks.md)."""
+    return (x.dim() == 2 and (any_rows or x.shape[0] == 1) and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16)
             and kernels.available())
 
 

@@ -1,11 +1,12 @@
-"""Weight-only quantization of the linear layers (and, with int4, the LM head), for the CPU: int8 per output
-channel, or int4 in groups.
+"""Weight-only quantization of the linear layers (and, with int4, the LM head), for the CPU: int8 or int4, each with
+a scale and a zero per group of inputs.
 
 Weights are quantized once loaded, from the loaded float weights (no calibration data); activations keep the
-model's dtype, and the kernels multiply them by the quantized weights directly: at one row (a single sequence's
-decode step) our GEMV (kernels/gemv.cpp), at several PyTorch's packed CPU kernels. At batch 1 a decode step
-streams every weight from memory once, so fewer bytes per weight is fewer milliseconds per token; large batches
-are bound by arithmetic instead, where these kernels gain nothing (docs/benchmarks.md).
+model's dtype, and the kernels multiply them by the quantized weights directly: int8 always through our kernel
+(kernels/gemv.cpp), int4 through it at one row (a single sequence's decode step) and through PyTorch's packed CPU
+kernel at several. At batch 1 a decode step streams every weight from memory once, so fewer bytes per weight is
+fewer milliseconds per token; large batches are bound by arithmetic instead, where these kernels gain nothing
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,30 +23,60 @@ INT4_GROUP_SIZE = 64  # 128 would not divide SmolLM2's hidden size of 576; the G
 _INT4_INNER_K_TILES = 2  # the packing's tile parameter: K must be a multiple of 16 * this
 
 
+INT8_GROUP_SIZE = 32
+FP16_MAX = torch.finfo(torch.float16).max
+
+
 @dataclass
 class Int8Weight:
-    """W ≈ q * scale per output row, q in [-127, 127]."""
+    """W ≈ q * scale + zero per group of INT8_GROUP_SIZE inputs, q in [-128, 127] (asymmetric: the group's min to max
+    in 255 steps), the scale and zero in fp16.
+
+    Groups of 32 over one scale per row: on SmolLM2 (fp32, 8 chat prompts, 48 greedy tokens each) per-row int8 kept 3
+    prompts identical to the fp32 model, symmetric groups of 32 5, asymmetric groups of 64 5 and of 32 all 8: the
+    GGUF's weights are 4-bit levels in groups of 32, which 255 steps of the same group nearly reproduce. fp16 scales and
+    zeros kept all 8, bf16 ones 6 (docs/benchmarks.md); they add 4 bytes to a group's 32.
+    """
 
     q: torch.Tensor  # [out, in] int8
-    scales: torch.Tensor  # [out], in the activations' dtype
+    scales_and_zeros: torch.Tensor  # [out, 2, in / group] fp16: a row's scales, then its zeros
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        """Whether the weight comes in whole groups of inputs, its values in fp16's range (the zeros are fp16)."""
+        return weight.shape[1] % INT8_GROUP_SIZE == 0 and bool(weight.abs().amax() < FP16_MAX / 2)
+
+    @staticmethod
+    def levels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [out, in] int8, scales_and_zeros [out, 2, in / group] fp16)."""
+        out_features, in_features = weight.shape
+        groups = weight.float().view(out_features, in_features // INT8_GROUP_SIZE, INT8_GROUP_SIZE)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        # Rounded to fp16 before the levels are chosen, so that the levels make up for it; fp16's smallest step
+        # keeps a group of equal values from a zero scale.
+        scales = ((high - low) / 255).clamp(min=2**-24).half()
+        zeros = (low + 128 * scales.float()).half()
+        q = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None]).clamp(-128, 127)
+        return q.to(torch.int8).view(out_features, in_features), torch.stack([scales, zeros], dim=1)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Int8Weight:
-        w = weight.float()
-        scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127
-        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(q, scales.to(weight.dtype))
+        return cls(*cls.levels(weight))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if gemv_takes(x):
-            return torch.ops.liteinfer.gemv(x, self.q, self.scales, None)
-        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
+        if gemv_takes(x, any_rows=True):  # one row or many: our kernel is int8's only (kernels/gemv.cpp)
+            return torch.ops.liteinfer.gemv(x, self.q, self.scales_and_zeros, None)
+        return x @ self.dequantized(x.dtype).T  # (no compiler for the kernels: the same weights, slowly)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        groups = self.q.view(self.q.shape[0], -1, INT8_GROUP_SIZE).float()
+        scales, zeros = self.scales_and_zeros.float().unbind(1)
+        return (groups * scales[..., None] + zeros[..., None]).view(self.q.shape).to(dtype)
 
     @classmethod
     def dequantize_float(cls, weight: torch.Tensor) -> torch.Tensor:
         """The weight `from_float(weight)` stands for."""
-        quantized = cls.from_float(weight)
-        return quantized.q.float() * quantized.scales.float()[:, None]
+        return cls.from_float(weight).dequantized(torch.float32)
 
 
 @dataclass
@@ -136,8 +167,9 @@ def quantize_linears(model: nn.Module, method: str) -> int:
 def _quantized_form(module: nn.Module, method: str) -> type[Int8Weight] | type[Int4Weight] | None:
     """What `module`'s weight becomes under `method`; None: it stays in floats."""
     if isinstance(module, LMHead):
-        return Int8Weight if method == "int4" else None
-    if not isinstance(module, Linear):
+        weight_cls = Int8Weight if method == "int4" else None
+    elif isinstance(module, Linear):
+        weight_cls = QUANTIZATION_METHODS[method]
+    else:
         return None
-    weight_cls = QUANTIZATION_METHODS[method]
-    return None if weight_cls is Int4Weight and not Int4Weight.fits(module.weight) else weight_cls
+    return weight_cls if weight_cls is not None and weight_cls.fits(module.weight) else None

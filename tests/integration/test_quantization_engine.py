@@ -1,9 +1,10 @@
 """Weight-only int8/int4 through the engine: the tiny model here; SmolLM2's agreement rate in the slow test."""
 
 import pytest
-from agreement import BUDGET, CONVERSATIONS, PARAMS, assert_agrees_with_fp32_as_closely_as_bf16
+from agreement import BUDGET, CONVERSATIONS, PARAMS, assert_agrees_with_fp32_as_closely_as_bf16, chat_tokens
 
 from liteinfer import LLM, SamplingParams
+from liteinfer.layers.linear import Linear
 from liteinfer.layers.quantization import Int8Weight
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,"]
@@ -13,7 +14,10 @@ def test_int8_engine_first_token_and_logprob_close_to_float(tiny_llama_dir):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     float_outs = LLM(str(tiny_llama_dir), dtype="float32").generate(PROMPTS, params)
     quantized = LLM(str(tiny_llama_dir), dtype="float32", quantization="int8")
-    assert quantized.engine.runner.model.lm_head.quantized is None  # int8 keeps a float head (quantization.py)
+    model = quantized.engine.runner.model
+    assert model.lm_head.quantized is None  # int8 keeps a float head (quantization.py)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(isinstance(m.quantized, Int8Weight) and m.weight is None for m in linears)
     for ref, out in zip(float_outs, quantized.generate(PROMPTS, params)):
         token = ref.outputs[0].token_ids[0]
         assert out.outputs[0].token_ids[0] == token  # the peaked tiny model's first choice survives int8
@@ -30,11 +34,13 @@ def test_int4_engine_quantizes_every_linear_and_generates(tiny_llama_dir):
     assert [len(out.outputs[0].token_ids) for out in outs] == [8, 8]
 
 
-def test_int4_one_sequence_and_a_batch_compute_the_same_weights(tiny_llama_dir):
-    # One sequence's decode steps take our GEMV's copy of the levels, a batch's PyTorch's packed copy. The GEMV
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_one_sequence_and_a_batch_compute_the_same_weights(tiny_llama_dir, method):
+    # int4: one sequence's decode steps take our GEMV's copy of the levels, a batch's PyTorch's packed copy. The GEMV
     # rounds x to 16-bit levels (kernels/gemv.cpp), which moves this tiny model's logprobs by up to ~5e-4 (measured
-    # over 2 x 16 tokens); a misread layout moved the kernel's outputs by more than their own size.
-    llm = LLM(str(tiny_llama_dir), dtype="float32", quantization="int4")
+    # over 2 x 16 tokens); a misread layout moved the kernel's outputs by more than their own size. int8: one kernel
+    # for any rows, a row's result independent of the others (tests/unit/test_gemv_kernel.py).
+    llm = LLM(str(tiny_llama_dir), dtype="float32", quantization=method)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     alone = llm.generate(PROMPTS[:1], params)[0].outputs[0]
     batched = llm.generate(PROMPTS, params)[0].outputs[0]
@@ -59,11 +65,11 @@ def test_smollm2_int8_agrees_with_fp32_as_closely_as_bf16_does():
     """Greedy agreement with the fp32 model, measured as the tokens generated before the first divergence. int8
     weights are compared with the same model's fp32 weights (activations in fp32 for both), so the quantization is
     all that differs. Rounding alone (bf16) already flips this model's near-ties, so int8 is held to that
-    yardstick, not to identity, and each of its first divergences must be at a near-tie of the fp32 logits."""
-    # A lone sequence's decode steps take the GEMV (kernels/gemv.cpp), not a batch's: one prompt at a time.
-    int8 = LLM(**BUDGET, dtype="float32", quantization="int8")
-    tokens = [int8.chat([conversation], PARAMS)[0].outputs[0].token_ids for conversation in CONVERSATIONS]
-    assert_agrees_with_fp32_as_closely_as_bf16(tokens, "int8", INT8_NEAR_TIE)
+    yardstick, not to identity, and each of its first divergences must be at a near-tie of the fp32 logits; and, as
+    the issue asks, it keeps the greedy tokens of most prompts (measured: all 8, with its groups of 32)."""
+    tokens = chat_tokens(LLM(**BUDGET, dtype="float32", quantization="int8"))
+    identical = assert_agrees_with_fp32_as_closely_as_bf16(tokens, "int8", INT8_NEAR_TIE)
+    assert identical > len(CONVERSATIONS) / 2
 
     int4 = LLM(**BUDGET, dtype="bfloat16", quantization="int4").chat(CONVERSATIONS[:1], PARAMS)[0]
     assert "Paris" in int4.outputs[0].text

@@ -1,5 +1,5 @@
-"""The one-row matmul kernel (liteinfer/kernels/gemv.cpp) against the same arithmetic in fp32, and
-`linear` / the int8 and int4 weights taking it for one-row inputs on CPU."""
+"""The one-row matmul kernel (liteinfer/kernels/gemv.cpp; int8 weights at any number of rows) against the same
+arithmetic in fp32, and `linear` / the int8 and int4 weights taking it on CPU."""
 
 import pytest
 import torch
@@ -10,14 +10,14 @@ from torch.profiler import profile
 
 from liteinfer import kernels
 from liteinfer.layers.linear import linear
-from liteinfer.layers.quantization import INT4_GROUP_SIZE, Int4Weight, Int8Weight, gemv_int4_layout
+from liteinfer.layers.quantization import INT4_GROUP_SIZE, INT8_GROUP_SIZE, Int4Weight, Int8Weight, gemv_int4_layout
 
 # The kernel sums a row in four interleaved parts: sums in a different order differ by ~1e-6 in fp32 (up to 300
 # products here); rounded to bf16 they can then land one step apart, a relative 2^-8 to 2^-7 of the value.
 FP32_REORDERED = {"atol": 1e-5, "rtol": 1e-5}
 BF16_ONE_STEP = {"atol": 1e-5, "rtol": 2**-7}
-# Row lengths that take every path of a row's dot product: four vectors at a time (AVX-512: 64 fp32/int8 or 128
-# bf16 values; AVX2: 32 fp32/int8), then one at a time, then a tail shorter than a vector.
+# Row lengths that take every path of a float row's dot product: four vectors at a time (AVX-512: 64 fp32 or 128
+# bf16 values; AVX2: 32 fp32), then one at a time, then a tail shorter than a vector.
 IN_FEATURES = st.integers(1, 300)
 
 
@@ -67,38 +67,56 @@ def assert_quantized_gemv_close(out: torch.Tensor, x: torch.Tensor, dequantized:
     assert (error <= allowed).all(), f"largest excess {(error - allowed).max().item()}"
 
 
-def assert_int8_gemv_close(x: torch.Tensor, weight: Int8Weight) -> None:
-    out = torch.ops.liteinfer.gemv(x, weight.q, weight.scales, None)
-    dequantized = weight.q.float() * weight.scales.float()[:, None]
-    assert_quantized_gemv_close(out, x, dequantized, None, FP32_REORDERED)
+def assert_int8_gemv_close(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> None:
+    out = torch.ops.liteinfer.gemv(x, weight.q, weight.scales_and_zeros, bias)
+    assert_quantized_gemv_close(out, x, weight.dequantized(torch.float32), bias, FP32_REORDERED)
 
 
 @settings(max_examples=40, deadline=None)
 @given(
+    rows=st.integers(1, 9),  # one row, and tiles of four rows of x with a remainder
     out_features=st.integers(1, 40),
-    in_features=IN_FEATURES,
+    groups=st.integers(1, 10),  # to five groups of 64 x levels, the last one whole or half
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    with_bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_gemv_on_int8_weights_matches_fp32_arithmetic(out_features, in_features, dtype, seed):
+def test_gemv_on_int8_weights_matches_fp32_arithmetic(rows, out_features, groups, dtype, with_bias, seed):
     assert kernels.load()
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, in_features, generator=gen).to(dtype)
+    in_features = groups * INT8_GROUP_SIZE
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
     weight = Int8Weight.from_float(torch.randn(out_features, in_features, generator=gen).to(dtype))
-    assert_int8_gemv_close(x, weight)
+    bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
+    assert_int8_gemv_close(x, weight, bias)
+
+
+def test_gemv_on_int8_weights_gives_a_row_the_same_result_beside_any_rows():
+    """Rows of x go through in tiles of four: a row's result must not depend on the tile it lands in, so that a
+    sequence's tokens are the same alone and in a batch."""
+    assert kernels.load()
+    torch.manual_seed(0)
+    weight = Int8Weight.from_float(torch.randn(40, 96))
+    x = torch.randn(7, 96)
+    def gemv(rows):
+        return torch.ops.liteinfer.gemv(rows, weight.q, weight.scales_and_zeros, None)
+
+    together = gemv(x)
+    assert all(torch.equal(together[r], gemv(x[r:r + 1])[0]) for r in range(7))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_on_int8_weights_rounds_x_per_group(dtype):
     """A group of zeros (no scale to divide by), one holding a value 10^4 times the others (an activation outlier),
-    and a partial last group. The outlier's group meets zero weights, so the outputs are the last two groups' sums
-    alone: had the outlier set the levels of the whole row (half a level = 100 / 65534 per input, a tenth of those
-    inputs' size), their error would exceed the bound for rounding per group many times over."""
+    and a last group of 32 inputs, half of x's group of 64. The outlier's group meets zero weights, so the outputs are
+    the last two groups' sums alone: had the outlier set the levels of the whole row (half a level = 100 / 65534 per
+    input, a tenth of those inputs' size), their error would exceed the bound for rounding per group many times
+    over."""
     assert kernels.load()
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 3 * 64 + 17, generator=gen) * 1e-2
-    x[0, :64] = 0
-    x[0, 64 + 5] = 100.0
+    x = torch.randn(2, 3 * 64 + 32, generator=gen) * 1e-2
+    x[:, :64] = 0
+    x[:, 64 + 5] = 100.0
     weight = torch.randn(24, x.shape[1], generator=gen)
     weight[:, 64:128] = 0
     assert_int8_gemv_close(x.to(dtype), Int8Weight.from_float(weight.to(dtype)))
@@ -137,30 +155,36 @@ def test_gemv_on_int4_weights_matches_fp32_arithmetic(out_features, groups, dtyp
 def test_gemv_refuses_mismatched_inputs():
     assert kernels.load()
     gemv = torch.ops.liteinfer.gemv
-    weight, x = torch.zeros(4, 8), torch.zeros(1, 8)
-    int8, scales = torch.zeros(4, 8, dtype=torch.int8), torch.ones(4)
-    with pytest.raises(RuntimeError, match=r"x \[1, in\] and weight \[out, in\]"):
-        gemv(torch.zeros(2, 8), weight, None, None)
-    with pytest.raises(RuntimeError, match=r"x \[1, in\] and weight \[out, in\]"):
-        gemv(torch.zeros(1, 7), weight, None, None)
+    weight, x = torch.zeros(4, 32), torch.zeros(1, 32)
+    int8, int8_scales = torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 2, 1, dtype=torch.half)
+    with pytest.raises(RuntimeError, match=r"x \[1, in\] \(int8: \[rows, in\]\) and weight \[out, in\]"):
+        gemv(torch.zeros(2, 32), weight, None, None)
+    with pytest.raises(RuntimeError, match=r"x \[1, in\] \(int8: \[rows, in\]\) and weight \[out, in\]"):
+        gemv(torch.zeros(1, 31), weight, None, None)
     with pytest.raises(RuntimeError, match="contiguous"):
-        gemv(torch.zeros(1, 4), weight.t(), None, None)
+        gemv(x, torch.zeros(32, 4).t(), None, None)
     with pytest.raises(RuntimeError, match="share a dtype"):
         gemv(x.bfloat16(), weight, None, None)
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
         gemv(x.half(), weight.half(), None, None)
-    with pytest.raises(RuntimeError, match="one scale per row"):
-        gemv(x, int8, None, None)
-    with pytest.raises(RuntimeError, match="one scale per row"):
-        gemv(x, weight, scales, None)
-    with pytest.raises(RuntimeError, match="in x's dtype"):
-        gemv(x, int8, scales.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="takes no scales"):
+        gemv(x, weight, int8_scales, None)
     with pytest.raises(RuntimeError, match=r"must be \[out\]"):
         gemv(x, weight, None, torch.zeros(3))
+    gemv(torch.zeros(3, 32), int8, int8_scales, None)  # int8 takes several rows
+    with pytest.raises(RuntimeError, match=r"x \[1, in\] \(int8: \[rows, in\]\)"):
+        gemv(torch.zeros(0, 32), int8, int8_scales, None)
+    with pytest.raises(RuntimeError, match="groups of 32"):
+        gemv(torch.zeros(1, 16), torch.zeros(4, 16, dtype=torch.int8), int8_scales, None)
+    for scales in (None, torch.ones(4, 1, 2, dtype=torch.half), torch.ones(4, 2, 1)):  # missing, shape, not fp16
+        with pytest.raises(RuntimeError, match=r"\[out, 2, in / 32\] scales and zeros, in fp16"):
+            gemv(x, int8, scales, None)
     int4, int4_scales = torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 1, 2)
     gemv(torch.zeros(1, 64), int4, int4_scales, None)  # [out, in / 2] bytes against x [1, in]
-    with pytest.raises(RuntimeError, match=r"x \[1, in\] and weight \[out, in\]"):
+    with pytest.raises(RuntimeError, match=r"x \[1, in\] \(int8: \[rows, in\]\) and weight \[out, in\]"):
         gemv(torch.zeros(1, 32), int4, int4_scales, None)
+    with pytest.raises(RuntimeError, match=r"x \[1, in\] \(int8: \[rows, in\]\) and weight \[out, in\]"):
+        gemv(torch.zeros(2, 64), int4, int4_scales, None)
     with pytest.raises(RuntimeError, match="groups of 64"):
         gemv(torch.zeros(1, 32), torch.zeros(4, 16, dtype=torch.uint8), int4_scales, None)
     with pytest.raises(RuntimeError, match=r"\[out, in / 64, 2\] scales and zeros"):
@@ -187,9 +211,15 @@ def test_linear_takes_the_kernel_for_one_row_only(dtype):
     torch.testing.assert_close(linear(one_row, weight, bias), F.linear(one_row, weight, bias),
                                **({} if dtype == torch.float32 else BF16_ONE_STEP))
 
-    int8 = Int8Weight.from_float(weight)
-    assert "liteinfer::gemv" in ops_run(lambda: int8(one_row))
-    assert "liteinfer::gemv" not in ops_run(lambda: int8(rows))
+
+
+def test_int8_weight_takes_the_kernel_for_any_rows():
+    assert kernels.load()
+    int8 = Int8Weight.from_float(torch.randn(16, 32))
+    for rows in (1, 3):
+        x = torch.randn(rows, 32)
+        assert "liteinfer::gemv" in ops_run(lambda x=x: int8(x))
+        assert_quantized_gemv_close(int8(x), x, int8.dequantized(torch.float32), None, FP32_REORDERED)
 
 
 def test_int4_weight_holds_the_same_weight_for_one_row_and_for_several():

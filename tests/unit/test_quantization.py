@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from liteinfer.layers.linear import Linear
-from liteinfer.layers.quantization import INT4_GROUP_SIZE, Int4Weight, Int8Weight, quantize_linears
+from liteinfer.layers.quantization import INT4_GROUP_SIZE, INT8_GROUP_SIZE, Int4Weight, Int8Weight, quantize_linears
 
 
 @pytest.fixture
@@ -21,15 +21,41 @@ def test_quantized_matmul_equals_matmul_with_dequantized_weight(weight_cls, dtyp
     torch.testing.assert_close(quantized(x).float(), expected, atol=tolerance, rtol=0)
 
 
-@pytest.mark.parametrize(("weight_cls", "levels"), [(Int8Weight, 254), (Int4Weight, 15)])
-def test_quantization_error_is_within_half_a_step(weight_cls, levels, weight):
+@pytest.mark.parametrize(("weight_cls", "group", "levels"), [(Int8Weight, INT8_GROUP_SIZE, 255),
+                                                            (Int4Weight, INT4_GROUP_SIZE, 15)])
+def test_quantization_error_is_within_half_a_step(weight_cls, group, levels, weight):
     dequantized = weight_cls.dequantize_float(weight)
-    if weight_cls is Int8Weight:  # one step per row: the row's range over 254 levels
-        step = 2 * weight.abs().amax(dim=1, keepdim=True) / levels
-    else:  # one step per group of inputs
-        groups = weight.view(weight.shape[0], -1, INT4_GROUP_SIZE)
-        step = ((groups.amax(-1) - groups.amin(-1)) / levels).repeat_interleave(INT4_GROUP_SIZE, dim=1)
-    assert ((dequantized - weight).abs() <= step / 2 + 1e-6).all()
+    groups = weight.view(weight.shape[0], -1, group)
+    step = ((groups.amax(-1) - groups.amin(-1)) / levels).repeat_interleave(group, dim=1)
+    # int8's scale and zero are fp16: the levels are chosen against them, but the last level of a group can land
+    # up to 2^-11 of its values beyond half a step (fp32 int4 scales: none).
+    slack = 2**-11 * groups.abs().amax(-1).repeat_interleave(group, dim=1) if weight_cls is Int8Weight else 1e-6
+    assert ((dequantized - weight).abs() <= step / 2 + slack).all()
+
+
+def test_int8_nearly_reproduces_4_bit_levels_in_its_groups():
+    """Weights that are 4-bit levels in groups of 32 (as a GGUF Q4_1 file stores them: d * q + m, q in 0..15)
+    come back to within fp16's rounding of the scale and zero: 255 steps hold the 15 exactly (17 steps apart). The
+    groups here lie around zero, as trained weights' do (a zero far from it costs a relative 2^-11 of itself), their
+    steps in fp16's normal range (above 2^-14; below it a scale is held to fp16's smallest step, 2^-24)."""
+    torch.manual_seed(0)
+    levels = torch.randint(0, 16, (64, 4, INT8_GROUP_SIZE))
+    levels[..., 0], levels[..., 1] = 0, 15  # every group spans all 16 levels
+    d = 0.002 + torch.rand(64, 4, 1) * 0.01
+    m = -d * (7.5 + 2 * torch.randn(64, 4, 1))
+    weight = (d * levels + m).view(64, -1)
+    error = (Int8Weight.dequantize_float(weight) - weight).abs().view(64, 4, -1)
+    assert (error <= 2**-10 * weight.abs().view(64, 4, -1).amax(-1, keepdim=True)).all()
+    assert (error <= 0.3 * (d / 17) / 2).all()  # well inside half of int8's own step: the levels line up
+
+
+def test_int8_keeps_a_group_of_equal_values_and_refuses_values_beyond_fp16():
+    weight = torch.full((16, 64), 0.25)
+    weight[:, 32:] = torch.linspace(-1, 1, 32)
+    torch.testing.assert_close(Int8Weight.dequantize_float(weight), weight, atol=1 / 255 + 1e-3, rtol=0)
+    assert Int8Weight.fits(weight)
+    assert not Int8Weight.fits(weight * 1e5)  # the zeros could not be held in fp16: the layer stays in floats
+    assert not Int8Weight.fits(torch.zeros(16, 48))  # no whole group of 32
 
 
 def test_quantize_linears_replaces_float_weights_and_skips_unfit_shapes():
@@ -46,3 +72,8 @@ def test_quantize_linears_replaces_float_weights_and_skips_unfit_shapes():
     assert all(m.weight is not None and m.quantized is None for m in model[1:])
     got = model[0](x)  # the bias is still added
     assert (got - expected).abs().max() < 0.1 * expected.abs().max()
+    # int8 takes inputs in groups of 32 and any number of outputs: 48 inputs stay in floats
+    model = torch.nn.Sequential(Linear(128, 64), Linear(48, 64), Linear(64, 24))
+    for module in model:
+        module.weight.data.normal_(0, 0.05)
+    assert quantize_linears(model, "int8") == 2 and model[1].quantized is None
