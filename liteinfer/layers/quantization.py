@@ -48,15 +48,30 @@ class Int8Weight:
 
     @staticmethod
     def levels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q [out, in] int8, scales_and_zeros [out, 2, in / group] fp16)."""
+        """(q [out, in] int8, scales_and_zeros [out, 2, in / group] fp16). Each group takes whichever of two grids
+        lands nearer its weights (squared error): its range in 255 steps, or its largest |w| in 127 steps either side
+        of zero. Checkpoints often hold weights that are already levels of such a grid in groups of 32 (a GGUF's
+        Q4_1 layers and Q8_0 embeddings), which one of the two then nearly reproduces."""
         out_features, in_features = weight.shape
         groups = weight.float().view(out_features, in_features // INT8_GROUP_SIZE, INT8_GROUP_SIZE)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        # Rounded to fp16 before the levels are chosen, so that the levels make up for it; fp16's smallest step
-        # keeps a group of equal values from a zero scale.
-        scales = ((high - low) / 255).clamp(min=2**-24).half()
-        zeros = (low + 128 * scales.float()).half()
-        q = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None]).clamp(-128, 127)
+        step = (high - low) / 255
+        asymmetric = step, low + 128 * step  # low at level -128, high at 127
+        symmetric = torch.maximum(high, -low) / 127, torch.zeros_like(low)
+        best = None
+        for scales, zeros in (asymmetric, symmetric):
+            # Rounded to fp16 before the levels are chosen, so that the levels make up for it; fp16's smallest step
+            # keeps a group of equal values from a zero scale.
+            scales, zeros = scales.clamp(min=2**-24).half(), zeros.half()
+            q = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None]).clamp(-128, 127)
+            error = (q * scales.float()[..., None] + zeros.float()[..., None] - groups).square().sum(-1)
+            if best is None:
+                best = q, scales, zeros, error
+            else:
+                nearer = error < best[3]
+                best = (torch.where(nearer[..., None], q, best[0]), torch.where(nearer, scales, best[1]),
+                        torch.where(nearer, zeros, best[2]), torch.minimum(error, best[3]))
+        q, scales, zeros, _ = best
         return q.to(torch.int8).view(out_features, in_features), torch.stack([scales, zeros], dim=1)
 
     @classmethod
@@ -145,14 +160,14 @@ QUANTIZATION_METHODS = {"int8": Int8Weight, "int4": Int4Weight}
 
 
 def quantize_linears(model: nn.Module, method: str) -> int:
-    """Replace the float weight of every loaded `Linear` by its quantized form (with int4, the LM head's too);
-    returns how many were quantized.
+    """Replace the float weight of every loaded `Linear` and of the LM head by its quantized form; returns how many
+    were quantized.
 
-    int4 is the latency option, so its LM head, a fifth of SmolLM2's weights, is quantized as well, to int8: on
-    SmolLM2, 0.8 ms less per token (6.9 -> 6.1 ms compiled); with an int4 head the model repeated one token. int8
-    keeps a float head: an int8 head halved its greedy agreement with bf16 (192 -> 95 tokens before the first
-    divergence, of 384; docs/benchmarks.md, "What was tried"). A layer whose shape the int4 kernel cannot
-    take keeps its float weight; the embeddings stay in the model's dtype (a tied head gets a quantized copy).
+    The LM head, a fifth of SmolLM2's weights, is quantized to int8 under both methods: on SmolLM2 int4 took 0.8 ms
+    less per token with it (6.9 -> 6.1 ms compiled; with an int4 head the model repeated one token), and with int8
+    in groups of 32 the head keeps the greedy tokens as the layers do (docs/benchmarks.md; with one int8 scale per
+    row it had halved them). A layer whose shape its kernel cannot take keeps its float weight; the embeddings stay
+    in the model's dtype (a tied head gets a quantized copy).
     """
     count = 0
     for module in model.modules():
@@ -167,9 +182,9 @@ def quantize_linears(model: nn.Module, method: str) -> int:
 def _quantized_form(module: nn.Module, method: str) -> type[Int8Weight] | type[Int4Weight] | None:
     """What `module`'s weight becomes under `method`; None: it stays in floats."""
     if isinstance(module, LMHead):
-        weight_cls = Int8Weight if method == "int4" else None
+        weight_cls = Int8Weight
     elif isinstance(module, Linear):
         weight_cls = QUANTIZATION_METHODS[method]
     else:
         return None
-    return weight_cls if weight_cls is not None and weight_cls.fits(module.weight) else None
+    return weight_cls if weight_cls.fits(module.weight) else None

@@ -21,16 +21,41 @@ def test_quantized_matmul_equals_matmul_with_dequantized_weight(weight_cls, dtyp
     torch.testing.assert_close(quantized(x).float(), expected, atol=tolerance, rtol=0)
 
 
-@pytest.mark.parametrize(("weight_cls", "group", "levels"), [(Int8Weight, INT8_GROUP_SIZE, 255),
-                                                            (Int4Weight, INT4_GROUP_SIZE, 15)])
-def test_quantization_error_is_within_half_a_step(weight_cls, group, levels, weight):
-    dequantized = weight_cls.dequantize_float(weight)
-    groups = weight.view(weight.shape[0], -1, group)
-    step = ((groups.amax(-1) - groups.amin(-1)) / levels).repeat_interleave(group, dim=1)
-    # int8's scale and zero are fp16: the levels are chosen against them, but the last level of a group can land
-    # up to 2^-11 of its values beyond half a step (fp32 int4 scales: none).
-    slack = 2**-11 * groups.abs().amax(-1).repeat_interleave(group, dim=1) if weight_cls is Int8Weight else 1e-6
-    assert ((dequantized - weight).abs() <= step / 2 + slack).all()
+def test_int4_error_is_within_half_a_step(weight):
+    dequantized = Int4Weight.dequantize_float(weight)
+    groups = weight.view(weight.shape[0], -1, INT4_GROUP_SIZE)
+    step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(INT4_GROUP_SIZE, dim=1)
+    assert ((dequantized - weight).abs() <= step / 2 + 1e-6).all()
+
+
+def test_int8_takes_the_nearer_of_its_two_grids(weight):
+    """Each group's squared error is the smaller of the two grids' (its range in 255 steps, its largest |w| in 127
+    steps either side of zero), and every weight lies within half a step of the coarser grid."""
+    groups = weight.view(weight.shape[0], -1, INT8_GROUP_SIZE)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+
+    def grid_error(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        scale, zero = scale.half().float(), zero.half().float()
+        return ((torch.round((groups - zero) / scale).clamp(-128, 127) * scale + zero - groups) ** 2).sum(-1)
+
+    asymmetric = grid_error((high - low) / 255, low + 128 * (high - low) / 255)
+    symmetric = grid_error(torch.maximum(high, -low) / 127, torch.zeros_like(low))
+    error = (Int8Weight.dequantize_float(weight).view_as(groups) - groups) ** 2
+    torch.testing.assert_close(error.sum(-1), torch.minimum(asymmetric, symmetric))
+    assert (symmetric < asymmetric).any() and (asymmetric < symmetric).any()  # both grids serve here
+    coarser_step = torch.maximum(high, -low) / 127
+    assert (error.sqrt() <= coarser_step / 2 + 2**-11 * coarser_step * 128).all()
+
+
+def test_int8_reproduces_8_bit_symmetric_levels_in_its_groups():
+    """Weights that are 8-bit levels around zero in groups of 32 (a GGUF's Q8_0: d * q, q in -127..127, d in fp16)
+    come back exactly: the symmetric grid's step is d."""
+    torch.manual_seed(0)
+    levels = torch.randint(-127, 128, (64, 4, INT8_GROUP_SIZE))
+    levels[..., 0] = 127  # every group reaches its largest level
+    d = (torch.rand(64, 4, 1) * 0.01 + 1e-3).half().float()
+    weight = (d * levels).view(64, -1)
+    assert torch.equal(Int8Weight.dequantize_float(weight), weight)
 
 
 def test_int8_nearly_reproduces_4_bit_levels_in_its_groups():
