@@ -1,8 +1,8 @@
 """Kernels of our own, in C++, for what PyTorch has no fast op for on CPU: decode attention that reads the paged KV
 pool in place, float linears on weights packed for them, the matmul of int8 weights (at any number of rows) and the
-one-row matmul of int4 weights (and of float ones where the packed kernel is not built), the greedy argmax of a step's logits, and a decoder layer's per-token
-operations (RMSNorm, rotary, gated activation, the K/V cache write) in one pass each for the steps that run eagerly
-(the gated activation in compiled graphs too).
+one-row matmul of int4 weights (and of float ones where the packed kernel is not built), the greedy argmax of a
+step's logits, and a decoder layer's per-token operations (RMSNorm, rotary, gated activation, the K/V cache write) in
+one pass each for the steps that run eagerly (the gated activation in compiled graphs too).
 
 Contract: `load()` compiles the sources next to this file with the machine's C++ compiler (torch's extension
 builder; the first time only, then cached under TORCH_EXTENSIONS_DIR, one build per CPU, Python and torch, since
