@@ -146,13 +146,13 @@ inline float dot_row<c10::BFloat16, c10::BFloat16>(const c10::BFloat16* w, const
 #endif
 
 // Quantized rows. int8: a scale and a zero per group of 32 inputs, the weight being q * scale + zero, both fp16, a
-// row's scales side by side and then its zeros. int4: a scale and a zero per group of 64 inputs, the weight being (q - 8) * scale + zero; each group's 64 levels q
-// are 32 bytes, read as sixteen little-endian 16-bit lanes, lane l
-// holding the levels of inputs l, 16 + l, 32 + l, 48 + l in its nibbles from the lowest up
+// row's scales side by side and then its zeros. int4: a scale and a zero per group of 32 inputs, the weight being
+// (q - 8) * scale + zero; each block of 64 inputs' levels q is 32 bytes, read as sixteen little-endian 16-bit lanes,
+// lane l holding the levels of inputs l, 16 + l, 32 + l, 48 + l in its nibbles from the lowest up
 // (layers/quantization.py: gemv_int4_layout), so that one shift and one mask give sixteen consecutive inputs' levels
 // as 16-bit integers, with no byte shuffles.
-constexpr int64_t kGroup = 64;  // int4's group of inputs, and the group x is rounded in below
-constexpr int64_t kInt8Group = 32;  // int8's
+constexpr int64_t kGroup = 64;  // int4's block of inputs in its layout, and the group x is rounded in below
+constexpr int64_t kInt8Group = 32, kInt4Group = 32;  // the groups that share a scale and a zero
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // On x86 CPUs the products are taken in integers: x is rounded once per call to 16-bit levels per group of 64
@@ -217,17 +217,6 @@ inline __m256i multiply_add(__m256i acc, __m256i weights, const int16_t* x) {
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(weights, xv));
 #endif
-}
-
-// One whole group's sum of weight levels times x levels, in eight int32 lanes; `weights(j)` gives the levels of
-// inputs 16 j .. 16 j + 15 as 16-bit integers. Each group starts a chain of its own, so groups overlap.
-template <typename Weights>
-inline __m256 group_sum(const Weights& weights, const int16_t* x) {
-  __m256i acc = multiply_add(_mm256_setzero_si256(), weights(0), x);
-  acc = multiply_add(acc, weights(1), x + 16);
-  acc = multiply_add(acc, weights(2), x + 32);
-  acc = multiply_add(acc, weights(3), x + 48);
-  return _mm256_cvtepi32_ps(acc);
 }
 
 // int8's vector operations, in the widest registers there are: a group's 32 levels as 16-bit integers, the products
@@ -326,25 +315,31 @@ inline void dot_rows_int8(const int8_t* w, const Int16Inputs* const* inputs, con
   for (int r = 0; r < R; ++r) out[r] = V::sum(V::add(total[r], offsets[r]));
 }
 
-// A row's sum of ((q - 8) s + z) x over its groups, as sum of s (q · x) + (z - 8 s) (sum of x); `scales_and_zeros`
-// holds the row's (s, z) pairs.
+// A row's sum of ((q - 8) s + z) x over its groups, as sum of s (q · x) + (z - 8 s) (sum of x); each block of 64
+// inputs holds two groups (nibbles 0-1 of its lanes the first, 2-3 the second); `scales_and_zeros` holds the row's
+// (s, z) pairs.
 template <typename scale_t>
 inline float dot_row_int4(const uint8_t* w, const Int16Inputs* inputs, const scale_t* scales_and_zeros,
-                          int64_t groups) {
+                          int64_t blocks) {
   const __m256i nibble = _mm256_set1_epi16(0xF);
   __m256 total = _mm256_setzero_ps();  // the s (q · x) terms, reduced once at the end
   float offset = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
-    const float scale = static_cast<float>(scales_and_zeros[2 * g]);
-    const float zero = static_cast<float>(scales_and_zeros[2 * g + 1]);
-    const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kGroup / 2));
-    auto weights = [&](int64_t j) {  // nibble j of every lane (the top one needs no mask)
-      const __m256i shifted = _mm256_srli_epi16(lanes, static_cast<int>(4 * j));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kGroup / 2));
+    auto weights = [&](int j) {  // nibble j of every lane (the top one needs no mask)
+      const __m256i shifted = _mm256_srli_epi16(lanes, 4 * j);
       return j == 3 ? shifted : _mm256_and_si256(shifted, nibble);
     };
-    total = _mm256_fmadd_ps(group_sum(weights, inputs->levels.data() + g * kGroup),
-                            _mm256_set1_ps(scale * inputs->scales[g]), total);
-    offset += (zero - 8 * scale) * (inputs->sums[2 * g] + inputs->sums[2 * g + 1]);
+    for (int half = 0; half < 2; ++half) {
+      const int64_t g = 2 * b + half;
+      const float scale = static_cast<float>(scales_and_zeros[2 * g]);
+      const float zero = static_cast<float>(scales_and_zeros[2 * g + 1]);
+      const int16_t* x = inputs->levels.data() + g * kInt4Group;
+      const __m256i sum = multiply_add(multiply_add(_mm256_setzero_si256(), weights(2 * half), x),
+                                       weights(2 * half + 1), x + 16);
+      total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(scale * inputs->scales[b]), total);
+      offset += (zero - 8 * scale) * inputs->sums[g];
+    }
   }
   return reduce(total) + offset;
 }
@@ -364,17 +359,15 @@ inline void dot_rows_int8(const int8_t* w, const float* const* x, const at::Half
 }
 
 template <typename scale_t>
-inline float dot_row_int4(const uint8_t* w, const float* x, const scale_t* scales_and_zeros, int64_t groups) {
+inline float dot_row_int4(const uint8_t* w, const float* x, const scale_t* scales_and_zeros, int64_t blocks) {
   float sum = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t i = 0; i < blocks * kGroup; ++i) {  // input i of its block: lane i % 16, nibble i / 16 (little-endian)
+    const int64_t g = i / kInt4Group, in_block = i % kGroup;
     const float scale = static_cast<float>(scales_and_zeros[2 * g]);
     const float zero = static_cast<float>(scales_and_zeros[2 * g + 1]);
-    const uint8_t* wg = w + g * kGroup / 2;
-    for (int64_t i = 0; i < kGroup; ++i) {  // input i: lane i % 16, nibble i / 16 (lanes little-endian)
-      const uint8_t byte = wg[2 * (i % 16) + i / 32];
-      const int q = i / 16 % 2 ? byte >> 4 : byte & 0xF;
-      sum += ((q - 8) * scale + zero) * x[g * kGroup + i];
-    }
+    const uint8_t byte = w[i / kGroup * kGroup / 2 + 2 * (in_block % 16) + in_block / 32];
+    const int q = in_block / 16 % 2 ? byte >> 4 : byte & 0xF;
+    sum += ((q - 8) * scale + zero) * x[i];
   }
   return sum;
 }
@@ -458,10 +451,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
   TORCH_CHECK(int8 || int4 || x.scalar_type() == weight.scalar_type(), "x and a float weight must share a dtype");
   const int64_t m = x.size(0), n = weight.size(0), k = x.size(1);
   if (int4) {
-    TORCH_CHECK(k % kGroup == 0, "int4 weights come in groups of 64 inputs");
-    TORCH_CHECK(scales && scales->dim() == 3 && scales->size(0) == n && scales->size(1) == k / kGroup &&
+    TORCH_CHECK(k % kGroup == 0, "int4 weights come in blocks of 64 inputs");
+    TORCH_CHECK(scales && scales->dim() == 3 && scales->size(0) == n && scales->size(1) == k / kInt4Group &&
                     scales->size(2) == 2 && scales->scalar_type() == x.scalar_type(),
-                "an int4 weight takes [out, in / 64, 2] scales and zeros, in x's dtype");
+                "an int4 weight takes [out, in / 32, 2] scales and zeros, in x's dtype");
   } else if (int8) {
     TORCH_CHECK(k % kInt8Group == 0, "int8 weights come in groups of 32 inputs");
     TORCH_CHECK(scales && scales->dim() == 3 && scales->size(0) == n && scales->size(1) == 2 &&
@@ -488,9 +481,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
       } else {
         const uint8_t* w = weight.data_ptr<uint8_t>();
         const scalar_t* s_data = s.data_ptr<scalar_t>();
-        const int64_t groups = k / kGroup;
+        const int64_t groups = k / kInt4Group, blocks = k / kGroup;
         gemv_rows(
-            [&](int64_t row) { return dot_row_int4(w + row * k / 2, row_ref(rows[0]), s_data + row * groups * 2, groups); },
+            [&](int64_t row) { return dot_row_int4(w + row * k / 2, row_ref(rows[0]), s_data + row * groups * 2, blocks); },
             b_data, y_data, n);
       }
     } else {

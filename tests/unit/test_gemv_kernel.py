@@ -132,15 +132,15 @@ def int4_dequantized(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.T
 @settings(max_examples=40, deadline=None)
 @given(
     out_features=st.integers(1, 40),
-    groups=st.integers(1, 5),
+    blocks=st.integers(1, 5),  # of the layout's 64 inputs: two groups each
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     with_bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_gemv_on_int4_weights_matches_fp32_arithmetic(out_features, groups, dtype, with_bias, seed):
+def test_gemv_on_int4_weights_matches_fp32_arithmetic(out_features, blocks, dtype, with_bias, seed):
     assert kernels.load()
     gen = torch.Generator().manual_seed(seed)
-    in_features = groups * INT4_GROUP_SIZE
+    in_features = blocks * 64
     x = torch.randn(1, in_features, generator=gen).to(dtype)
     q, scales, zeros = Int4Weight.levels(torch.randn(out_features, in_features, generator=gen).to(dtype))
     scales_and_zeros = torch.stack([scales, zeros], dim=-1).to(dtype)
@@ -179,18 +179,17 @@ def test_gemv_refuses_mismatched_inputs():
     for scales in (None, torch.ones(4, 1, 2, dtype=torch.half), torch.ones(4, 2, 1)):  # missing, shape, not fp16
         with pytest.raises(RuntimeError, match=r"\[out, 2, in / 32\] scales and zeros, in fp16"):
             gemv(x, int8, scales, None)
-    int4, int4_scales = torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 1, 2)
+    int4, int4_scales = torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 2, 2)
     gemv(torch.zeros(1, 64), int4, int4_scales, None)  # [out, in / 2] bytes against x [1, in]
     with pytest.raises(RuntimeError, match=r"x \[1, in\] \(int8: \[rows, in\]\) and weight \[out, in\]"):
         gemv(torch.zeros(1, 32), int4, int4_scales, None)
     with pytest.raises(RuntimeError, match=r"x \[1, in\] \(int8: \[rows, in\]\) and weight \[out, in\]"):
         gemv(torch.zeros(2, 64), int4, int4_scales, None)
-    with pytest.raises(RuntimeError, match="groups of 64"):
+    with pytest.raises(RuntimeError, match="blocks of 64"):
         gemv(torch.zeros(1, 32), torch.zeros(4, 16, dtype=torch.uint8), int4_scales, None)
-    with pytest.raises(RuntimeError, match=r"\[out, in / 64, 2\] scales and zeros"):
-        gemv(torch.zeros(1, 64), int4, torch.ones(4, 2), None)
-    with pytest.raises(RuntimeError, match=r"\[out, in / 64, 2\] scales and zeros"):
-        gemv(torch.zeros(1, 64), int4, None, None)
+    for scales in (None, torch.ones(4, 1, 2), torch.ones(4, 2)):  # missing, a group per 64 inputs, no pairs
+        with pytest.raises(RuntimeError, match=r"\[out, in / 32, 2\] scales and zeros"):
+            gemv(torch.zeros(1, 64), int4, scales, None)
 
 
 def ops_run(fn) -> set[str]:
@@ -225,7 +224,7 @@ def test_int8_weight_takes_the_kernel_for_any_rows():
 def test_int4_weight_holds_the_same_weight_for_one_row_and_for_several():
     assert kernels.load()
     torch.manual_seed(0)
-    weight = torch.randn(32, 3 * INT4_GROUP_SIZE) * 0.05
+    weight = torch.randn(32, 3 * 64) * 0.05
     int4 = Int4Weight.from_float(weight)
     one_row, rows = torch.randn(1, weight.shape[1]), torch.randn(3, weight.shape[1])
 
