@@ -157,7 +157,7 @@ constexpr int64_t kInt8Group = 32, kInt4Group = 32;  // the groups that share a 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // On x86 CPUs the products are taken in integers: x is rounded once per call to 16-bit levels per group of 64
 // inputs (level = x / scale, scale = the group's largest |x| / 32767), and each group's sum of weight levels times
-// x levels is exact in int32 (at most 64 * 127 * 32767 < 2^31), then scaled. Sixteen weights a multiply
+// x levels is exact in int32 (at most 32 * 128 * 32767 < 2^31), then scaled. Sixteen weights a multiply
 // (vpmaddwd, or AVX-512 VNNI's vpdpwssd, which adds as it multiplies), where converting them to fp32 took a
 // conversion per eight or sixteen. Rounding x moves each input by at most half a level: a relative 2^-16 of its
 // group's largest value, below bf16's own rounding (2^-9) and far below the weights' (int8: 2^-9 of the group's
@@ -171,16 +171,16 @@ constexpr int64_t kInt8Group = 32, kInt4Group = 32;  // the groups that share a 
 struct Int16Inputs {
   std::vector<int16_t> levels;  // x[i] ≈ levels[i] * scales[i / kGroup]
   std::vector<float> scales;
-  // Per int8 group (32 inputs): its levels' scale (its group of 64's), and its sum of levels times that scale (the
-  // sum of x as rounded); zero past the last group up to a multiple of 16, so that they load a chunk at a time.
-  std::vector<float> int8_scales;
+  // Per group of 32 inputs (int8's and int4's): its levels' scale (its group of 64's), and its sum of levels times
+  // that scale (the sum of x as rounded); zero past the last group up to a multiple of 16, so that int8 loads them a
+  // chunk at a time.
+  std::vector<float> group_scales;
   std::vector<float> sums;
 };
 
 template <typename scalar_t>
 inline Int16Inputs int16_inputs(const scalar_t* x, int64_t k) {
-  const int64_t groups = (k + kGroup - 1) / kGroup, int8_groups = (k + kInt8Group - 1) / kInt8Group;
-  const int64_t padded = (int8_groups + 15) / 16 * 16;
+  const int64_t groups = (k + kGroup - 1) / kGroup, padded = (k + 16 * kInt8Group - 1) / (16 * kInt8Group) * 16;
   Int16Inputs inputs{std::vector<int16_t>(k), std::vector<float>(groups), std::vector<float>(padded),
                      std::vector<float>(padded)};
   const std::vector<float> x_float(x, x + k);
@@ -202,7 +202,7 @@ inline Int16Inputs int16_inputs(const scalar_t* x, int64_t k) {
     for (int64_t half = begin; half < end; half += kInt8Group) {
       int32_t sum = 0;
       for (i = half; i < std::min(end, half + kInt8Group); ++i) sum += levels[i];
-      inputs.int8_scales[half / kInt8Group] = inputs.scales[g];
+      inputs.group_scales[half / kInt8Group] = inputs.scales[g];
       inputs.sums[half / kInt8Group] = static_cast<float>(sum) * inputs.scales[g];
     }
   }
@@ -223,8 +223,8 @@ inline __m256i multiply_add(__m256i acc, __m256i weights, const int16_t* x) {
 // with x's levels summed in pairs into int32 lanes, then in fp32; and `chunk` groups' scales or zeros widened from
 // fp16 at once, zero past `count`.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// A group in one 512-bit register: on the Intel Xeon this ran SmolLM2's int8 linears at one row ~10% faster than
-// two 256-bit halves (docs/benchmarks.md).
+// A group in one 512-bit register: on the Intel Xeon this ran SmolLM2's int8 linears 10-25% faster at one row and
+// 5-10% at 32 than two 256-bit halves (docs/benchmarks.md).
 struct Int8Vectors {
   using Float = __m512;
   using Levels = __m512i;
@@ -300,7 +300,7 @@ inline void dot_rows_int8(const int8_t* w, const Int16Inputs* const* inputs, con
     const typename V::Float s = V::halves(scales + g0, count), z = V::halves(zeros + g0, count);
     alignas(64) float factors[R][V::chunk];
     for (int r = 0; r < R; ++r) {
-      V::store(factors[r], V::mul(s, V::load(inputs[r]->int8_scales.data() + g0)));
+      V::store(factors[r], V::mul(s, V::load(inputs[r]->group_scales.data() + g0)));
       offsets[r] = V::fma(z, V::load(inputs[r]->sums.data() + g0), offsets[r]);
     }
     for (int64_t j = 0; j < count; ++j) {
