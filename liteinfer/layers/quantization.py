@@ -1,5 +1,5 @@
-"""Weight-only quantization of the linear layers (and, with int4, the LM head), for the CPU: int8 or int4, each with
-a scale and a zero per group of inputs.
+"""Weight-only quantization of the linear layers and the LM head, for the CPU: int8 or int4 (the head in int8), each
+with a scale and a zero per group of 32 inputs.
 
 Weights are quantized once loaded, from the loaded float weights (no calibration data); activations keep the
 model's dtype, and the kernels multiply them by the quantized weights directly: int8 always through our kernel
@@ -24,20 +24,18 @@ from liteinfer.layers.linear import Linear, gemv_takes
 INT4_GROUP_SIZE = 32
 _GEMV_INT4_BLOCK = 64  # inputs per block of the GEMV's int4 layout: two groups
 _INT4_INNER_K_TILES = 2  # the packing's tile parameter: K must be a multiple of 16 * this
-
-
 INT8_GROUP_SIZE = 32
 FP16_MAX = torch.finfo(torch.float16).max
 
 
 @dataclass
 class Int8Weight:
-    """W ≈ q * scale + zero per group of INT8_GROUP_SIZE inputs, q in [-128, 127] (asymmetric: the group's min to max
-    in 255 steps), the scale and zero in fp16.
+    """W ≈ q * scale + zero per group of INT8_GROUP_SIZE inputs, q in [-128, 127], the scale and zero in fp16 (each
+    group on the nearer of two grids: `levels`).
 
     Groups of 32 over one scale per row: on SmolLM2 (fp32, 8 chat prompts, 48 greedy tokens each) per-row int8 kept 3
-    prompts identical to the fp32 model, symmetric groups of 32 5, asymmetric groups of 64 5 and of 32 all 8: the
-    GGUF's weights are 4-bit levels in groups of 32, which 255 steps of the same group nearly reproduce. fp16 scales and
+    prompts identical to the fp32 model, symmetric groups of 32 5, groups of 64 with a zero 5 and of 32 all 8: the
+    GGUF's layers are 4-bit levels in groups of 32, which 255 steps of the same group nearly reproduce. fp16 scales and
     zeros kept all 8, bf16 ones 6 (docs/benchmarks.md); they add 4 bytes to a group's 32.
     """
 
