@@ -221,7 +221,7 @@ inline __m256i multiply_add(__m256i acc, __m256i weights, const int16_t* x) {
 
 // int8's vector operations, in the widest registers there are: a group's 32 levels as 16-bit integers, the products
 // with x's levels summed in pairs into int32 lanes, then in fp32; and `chunk` groups' scales or zeros widened from
-// fp16 at once, zero past `count`.
+// fp16 at once, zero past `count`. (Zeroing, adding and summing a vector: the float rows' zero, add and reduce.)
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // A group in one 512-bit register: on the Intel Xeon this ran SmolLM2's int8 linears 10-25% faster at one row and
 // 5-10% at 32 than two 256-bit halves (docs/benchmarks.md).
@@ -243,14 +243,11 @@ struct Int8Vectors {
   static Float halves(const at::Half* h, int64_t count) {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1), h));
   }
-  static Float zero() { return _mm512_setzero_ps(); }
   static Float load(const float* v) { return _mm512_loadu_ps(v); }
   static void store(float* v, Float a) { _mm512_storeu_ps(v, a); }
   static Float broadcast(float v) { return _mm512_set1_ps(v); }
-  static Float add(Float a, Float b) { return _mm512_add_ps(a, b); }
   static Float mul(Float a, Float b) { return _mm512_mul_ps(a, b); }
   static Float fma(Float a, Float b, Float c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(Float a) { return _mm512_reduce_add_ps(a); }
 };
 #else
 struct Int8Vectors {
@@ -272,14 +269,11 @@ struct Int8Vectors {
     std::copy(h, h + count, eight);
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(eight)));
   }
-  static Float zero() { return _mm256_setzero_ps(); }
   static Float load(const float* v) { return _mm256_loadu_ps(v); }
   static void store(float* v, Float a) { _mm256_storeu_ps(v, a); }
   static Float broadcast(float v) { return _mm256_set1_ps(v); }
-  static Float add(Float a, Float b) { return _mm256_add_ps(a, b); }
   static Float mul(Float a, Float b) { return _mm256_mul_ps(a, b); }
   static Float fma(Float a, Float b, Float c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(Float a) { return reduce(a); }
 };
 #endif
 
@@ -294,7 +288,7 @@ inline void dot_rows_int8(const int8_t* w, const Int16Inputs* const* inputs, con
                           const at::Half* zeros, int64_t groups, float* out) {
   using V = Int8Vectors;
   typename V::Float total[R], offsets[R];
-  for (int r = 0; r < R; ++r) total[r] = offsets[r] = V::zero();
+  for (int r = 0; r < R; ++r) total[r] = offsets[r] = zero(typename V::Float{});
   for (int64_t g0 = 0; g0 < groups; g0 += V::chunk) {
     const int64_t count = std::min(V::chunk, groups - g0);
     const typename V::Float s = V::halves(scales + g0, count), z = V::halves(zeros + g0, count);
@@ -312,7 +306,7 @@ inline void dot_rows_int8(const int8_t* w, const Int16Inputs* const* inputs, con
       }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = V::sum(V::add(total[r], offsets[r]));
+  for (int r = 0; r < R; ++r) out[r] = reduce(add(total[r], offsets[r]));
 }
 
 // A row's sum of ((q - 8) s + z) x over its groups, as sum of s (q · x) + (z - 8 s) (sum of x); each block of 64

@@ -57,22 +57,12 @@ class Int8Weight:
         groups = weight.float().view(out_features, in_features // INT8_GROUP_SIZE, INT8_GROUP_SIZE)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
         step = (high - low) / 255
-        asymmetric = step, low + 128 * step  # low at level -128, high at 127
-        symmetric = torch.maximum(high, -low) / 127, torch.zeros_like(low)
-        best = None
-        for scales, zeros in (asymmetric, symmetric):
-            # Rounded to fp16 before the levels are chosen, so that the levels make up for it; fp16's smallest step
-            # keeps a group of equal values from a zero scale.
-            scales, zeros = scales.clamp(min=2**-24).half(), zeros.half()
-            q = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None]).clamp(-128, 127)
-            error = (q * scales.float()[..., None] + zeros.float()[..., None] - groups).square().sum(-1)
-            if best is None:
-                best = q, scales, zeros, error
-            else:
-                nearer = error < best[3]
-                best = (torch.where(nearer[..., None], q, best[0]), torch.where(nearer, scales, best[1]),
-                        torch.where(nearer, zeros, best[2]), torch.minimum(error, best[3]))
-        q, scales, zeros, _ = best
+        q, scales, zeros, error = _on_grid(groups, step, low + 128 * step)  # low at level -128, high at 127
+        q_sym, scales_sym, zeros_sym, error_sym = _on_grid(groups, torch.maximum(high, -low) / 127,
+                                                           torch.zeros_like(low))
+        symmetric = error_sym < error
+        q = torch.where(symmetric[..., None], q_sym, q)
+        scales, zeros = torch.where(symmetric, scales_sym, scales), torch.where(symmetric, zeros_sym, zeros)
         return q.to(torch.int8).view(out_features, in_features), torch.stack([scales, zeros], dim=1)
 
     @classmethod
@@ -93,6 +83,17 @@ class Int8Weight:
     def dequantize_float(cls, weight: torch.Tensor) -> torch.Tensor:
         """The weight `from_float(weight)` stands for."""
         return cls.from_float(weight).dequantized(torch.float32)
+
+
+def _on_grid(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`groups` [..., group] on int8's grid q * scale + zero, one per group: (q in [-128, 127] as floats, the scales
+    and zeros in fp16, each group's squared error). The scale and zero are rounded to fp16 before the levels are
+    chosen, so that the levels make up for it; fp16's smallest step keeps a group of equal values from a zero scale."""
+    scales, zeros = scales.clamp(min=2**-24).half(), zeros.half()
+    q = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None]).clamp(-128, 127)
+    error = (q * scales.float()[..., None] + zeros.float()[..., None] - groups).square().sum(-1)
+    return q, scales, zeros, error
 
 
 @dataclass
