@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -146,11 +147,11 @@ inline float dot_row<c10::BFloat16, c10::BFloat16>(const c10::BFloat16* w, const
 #endif
 
 // Quantized rows. int8: a scale and a zero per group of 32 inputs, the weight being q * scale + zero, both fp16, a
-// row's scales side by side and then its zeros. int4: a scale and a zero per group of 32 inputs, the weight being
-// (q - 8) * scale + zero; each block of 64 inputs' levels q is 32 bytes, read as sixteen little-endian 16-bit lanes,
-// lane l holding the levels of inputs l, 16 + l, 32 + l, 48 + l in its nibbles from the lowest up
-// (layers/quantization.py: gemv_int4_layout), so that one shift and one mask give sixteen consecutive inputs' levels
-// as 16-bit integers, with no byte shuffles.
+// row's scales side by side and then its zeros. int4: a scale and a zero per group of 32 inputs in x's dtype, laid
+// out as int8's, the weight being (q - 8) * scale + zero; each block of 64 inputs' levels q is 32 bytes, read as
+// sixteen little-endian 16-bit lanes, lane l holding the levels of inputs l, 16 + l, 32 + l, 48 + l in its nibbles
+// from the lowest up (layers/quantization.py: gemv_int4_layout), so that one shift and one mask give sixteen
+// consecutive inputs' levels as 16-bit integers, with no byte shuffles.
 constexpr int64_t kGroup = 64;  // int4's block of inputs in its layout, and the group x is rounded in below
 constexpr int64_t kInt8Group = 32, kInt4Group = 32;  // the groups that share a scale and a zero
 
@@ -221,7 +222,8 @@ inline __m256i multiply_add(__m256i acc, __m256i weights, const int16_t* x) {
 
 // int8's vector operations, in the widest registers there are: a group's 32 levels as 16-bit integers, the products
 // with x's levels summed in pairs into int32 lanes, then in fp32; and `chunk` groups' scales or zeros widened from
-// fp16 at once, zero past `count`. (Zeroing, adding and summing a vector: the float rows' zero, add and reduce.)
+// fp16 (int4's: from x's dtype) at once, zero past `count`. (Zeroing, adding and summing a vector: the float rows'
+// zero, add and reduce.)
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // A group in one 512-bit register: on the Intel Xeon this ran SmolLM2's int8 linears 10-25% faster at one row and
 // 5-10% at 32 than two 256-bit halves (docs/benchmarks.md).
@@ -240,8 +242,16 @@ struct Int8Vectors {
     return _mm512_cvtepi32_ps(_mm512_madd_epi16(w, xv));
 #endif
   }
-  static Float halves(const at::Half* h, int64_t count) {
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1), h));
+  template <typename T>
+  static Float widen(const T* v, int64_t count) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+    if constexpr (std::is_same_v<T, float>) {
+      return _mm512_maskz_loadu_ps(mask, v);
+    } else {
+      const __m256i bits = _mm256_maskz_loadu_epi16(mask, v);
+      if constexpr (std::is_same_v<T, at::Half>) return _mm512_cvtph_ps(bits);
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));  // bf16: fp32's top half
+    }
   }
   static Float load(const float* v) { return _mm512_loadu_ps(v); }
   static void store(float* v, Float a) { _mm512_storeu_ps(v, a); }
@@ -263,11 +273,20 @@ struct Int8Vectors {
   static Float dot(const Levels& w, const int16_t* x) {
     return _mm256_cvtepi32_ps(multiply_add(multiply_add(_mm256_setzero_si256(), w.first, x), w.second, x + 16));
   }
-  static Float halves(const at::Half* h, int64_t count) {
-    if (count == chunk) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
-    at::Half eight[8] = {};  // (no masked 16-bit loads: the tail through a copy, once a row)
-    std::copy(h, h + count, eight);
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(eight)));
+  static Float widen_chunk(const at::Half* v) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
+  }
+  static Float widen_chunk(const float* v) { return _mm256_loadu_ps(v); }
+  static Float widen_chunk(const c10::BFloat16* v) {  // bf16: fp32's top half
+    const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+  }
+  template <typename T>
+  static Float widen(const T* v, int64_t count) {
+    if (count == chunk) return widen_chunk(v);
+    T eight[8] = {};  // (no masked 16-bit loads: the tail through a copy, once a row)
+    std::copy(v, v + count, eight);
+    return widen_chunk(eight);
   }
   static Float load(const float* v) { return _mm256_loadu_ps(v); }
   static void store(float* v, Float a) { _mm256_storeu_ps(v, a); }
@@ -291,7 +310,7 @@ inline void dot_rows_int8(const int8_t* w, const Int16Inputs* const* inputs, con
   for (int r = 0; r < R; ++r) total[r] = offsets[r] = zero(typename V::Float{});
   for (int64_t g0 = 0; g0 < groups; g0 += V::chunk) {
     const int64_t count = std::min(V::chunk, groups - g0);
-    const typename V::Float s = V::halves(scales + g0, count), z = V::halves(zeros + g0, count);
+    const typename V::Float s = V::widen(scales + g0, count), z = V::widen(zeros + g0, count);
     alignas(64) float factors[R][V::chunk];
     for (int r = 0; r < R; ++r) {
       V::store(factors[r], V::mul(s, V::load(inputs[r]->group_scales.data() + g0)));
@@ -310,32 +329,38 @@ inline void dot_rows_int8(const int8_t* w, const Int16Inputs* const* inputs, con
 }
 
 // A row's sum of ((q - 8) s + z) x over its groups, as sum of s (q · x) + (z - 8 s) (sum of x); each block of 64
-// inputs holds two groups (nibbles 0-1 of its lanes the first, 2-3 the second); `scales_and_zeros` holds the row's
-// (s, z) pairs.
+// inputs holds two groups (nibbles 0-1 of its lanes the first, 2-3 the second). As int8's rows do, a chunk of
+// groups' scales and zeros is widened at once into the groups' factors and the offsets, so that a block costs its
+// integer products, two conversions and two multiply-adds (one chain per group of the block); scalar conversions
+// and sums per group had made int4 bound by its instructions rather than its bytes (docs/benchmarks.md).
 template <typename scale_t>
-inline float dot_row_int4(const uint8_t* w, const Int16Inputs* inputs, const scale_t* scales_and_zeros,
-                          int64_t blocks) {
+inline float dot_row_int4(const uint8_t* w, const Int16Inputs* inputs, const scale_t* scales, const scale_t* zeros,
+                          int64_t groups) {
+  using V = Int8Vectors;
   const __m256i nibble = _mm256_set1_epi16(0xF);
-  __m256 total = _mm256_setzero_ps();  // the s (q · x) terms, reduced once at the end
-  float offset = 0.f;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kGroup / 2));
-    auto weights = [&](int j) {  // nibble j of every lane (the top one needs no mask)
-      const __m256i shifted = _mm256_srli_epi16(lanes, 4 * j);
-      return j == 3 ? shifted : _mm256_and_si256(shifted, nibble);
-    };
-    for (int half = 0; half < 2; ++half) {
-      const int64_t g = 2 * b + half;
-      const float scale = static_cast<float>(scales_and_zeros[2 * g]);
-      const float zero = static_cast<float>(scales_and_zeros[2 * g + 1]);
-      const int16_t* x = inputs->levels.data() + g * kInt4Group;
-      const __m256i sum = multiply_add(multiply_add(_mm256_setzero_si256(), weights(2 * half), x),
-                                       weights(2 * half + 1), x + 16);
-      total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(scale * inputs->scales[b]), total);
-      offset += (zero - 8 * scale) * inputs->sums[g];
+  __m256 first = _mm256_setzero_ps(), second = _mm256_setzero_ps();  // the s (q · x) terms of each block's groups
+  typename V::Float offsets = zero(typename V::Float{});
+  for (int64_t g0 = 0; g0 < groups; g0 += V::chunk) {
+    const int64_t count = std::min(V::chunk, groups - g0);
+    const typename V::Float s = V::widen(scales + g0, count);
+    alignas(64) float factors[V::chunk];
+    V::store(factors, V::mul(s, V::load(inputs->group_scales.data() + g0)));
+    offsets = V::fma(V::fma(s, V::broadcast(-8.f), V::widen(zeros + g0, count)), V::load(inputs->sums.data() + g0),
+                     offsets);
+    for (int64_t j = 0; j < count; j += 2) {  // the block of groups g0 + j and g0 + j + 1
+      const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g0 + j) * kInt4Group / 2));
+      auto weights = [&](int n) {  // nibble n of every lane (the top one needs no mask)
+        const __m256i shifted = _mm256_srli_epi16(lanes, 4 * n);
+        return n == 3 ? shifted : _mm256_and_si256(shifted, nibble);
+      };
+      const int16_t* x = inputs->levels.data() + (g0 + j) * kInt4Group;
+      const __m256i sum0 = multiply_add(multiply_add(_mm256_setzero_si256(), weights(0), x), weights(1), x + 16);
+      const __m256i sum1 = multiply_add(multiply_add(_mm256_setzero_si256(), weights(2), x + 32), weights(3), x + 48);
+      first = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum0), _mm256_set1_ps(factors[j]), first);
+      second = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum1), _mm256_set1_ps(factors[j + 1]), second);
     }
   }
-  return reduce(total) + offset;
+  return reduce(_mm256_add_ps(first, second)) + reduce(offsets);
 }
 #else
 // The portable forms, in fp32 against x as given.
@@ -353,15 +378,14 @@ inline void dot_rows_int8(const int8_t* w, const float* const* x, const at::Half
 }
 
 template <typename scale_t>
-inline float dot_row_int4(const uint8_t* w, const float* x, const scale_t* scales_and_zeros, int64_t blocks) {
+inline float dot_row_int4(const uint8_t* w, const float* x, const scale_t* scales, const scale_t* zeros,
+                          int64_t groups) {
   float sum = 0.f;
-  for (int64_t i = 0; i < blocks * kGroup; ++i) {  // input i of its block: lane i % 16, nibble i / 16 (little-endian)
+  for (int64_t i = 0; i < groups * kInt4Group; ++i) {  // input i of its block: lane i % 16, nibble i / 16
     const int64_t g = i / kInt4Group, in_block = i % kGroup;
-    const float scale = static_cast<float>(scales_and_zeros[2 * g]);
-    const float zero = static_cast<float>(scales_and_zeros[2 * g + 1]);
     const uint8_t byte = w[i / kGroup * kGroup / 2 + 2 * (in_block % 16) + in_block / 32];
     const int q = in_block / 16 % 2 ? byte >> 4 : byte & 0xF;
-    sum += ((q - 8) * scale + zero) * x[i];
+    sum += ((q - 8) * static_cast<float>(scales[g]) + static_cast<float>(zeros[g])) * x[i];
   }
   return sum;
 }
@@ -446,9 +470,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
   const int64_t m = x.size(0), n = weight.size(0), k = x.size(1);
   if (int4) {
     TORCH_CHECK(k % kGroup == 0, "int4 weights come in blocks of 64 inputs");
-    TORCH_CHECK(scales && scales->dim() == 3 && scales->size(0) == n && scales->size(1) == k / kInt4Group &&
-                    scales->size(2) == 2 && scales->scalar_type() == x.scalar_type(),
-                "an int4 weight takes [out, in / 32, 2] scales and zeros, in x's dtype");
+    TORCH_CHECK(scales && scales->dim() == 3 && scales->size(0) == n && scales->size(1) == 2 &&
+                    scales->size(2) == k / kInt4Group && scales->scalar_type() == x.scalar_type(),
+                "an int4 weight takes [out, 2, in / 32] scales and zeros, in x's dtype");
   } else if (int8) {
     TORCH_CHECK(k % kInt8Group == 0, "int8 weights come in groups of 32 inputs");
     TORCH_CHECK(scales && scales->dim() == 3 && scales->size(0) == n && scales->size(1) == 2 &&
@@ -475,9 +499,12 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
       } else {
         const uint8_t* w = weight.data_ptr<uint8_t>();
         const scalar_t* s_data = s.data_ptr<scalar_t>();
-        const int64_t groups = k / kInt4Group, blocks = k / kGroup;
+        const int64_t groups = k / kInt4Group;
         gemv_rows(
-            [&](int64_t row) { return dot_row_int4(w + row * k / 2, row_ref(rows[0]), s_data + row * groups * 2, blocks); },
+            [&](int64_t row) {
+              const scalar_t* scales = s_data + row * groups * 2;
+              return dot_row_int4(w + row * k / 2, row_ref(rows[0]), scales, scales + groups, groups);
+            },
             b_data, y_data, n);
       }
     } else {

@@ -108,7 +108,7 @@ class Int4Weight:
     packed: torch.Tensor  # q in PyTorch's packed layout
     scales_and_zeros: torch.Tensor  # [in / group, out, 2], in the activations' dtype
     rows: torch.Tensor  # q in kernels/gemv.cpp's layout: [out, in / 2] bytes
-    rows_scales_and_zeros: torch.Tensor  # the same scales and zeros as [out, in / group, 2]
+    rows_scales_and_zeros: torch.Tensor  # the same scales and zeros as [out, 2, in / group]: a row's scales, then zeros
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -131,9 +131,10 @@ class Int4Weight:
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Int4Weight:
         q, scales, zeros = cls.levels(weight)
-        rows_scales_and_zeros = torch.stack([scales, zeros], dim=-1).to(weight.dtype)
+        scales_and_zeros = torch.stack([scales, zeros], dim=-1).to(weight.dtype)  # [out, in / group, 2]
         return cls(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INT4_INNER_K_TILES),
-                   rows_scales_and_zeros.transpose(0, 1).contiguous(), gemv_int4_layout(q), rows_scales_and_zeros)
+                   scales_and_zeros.transpose(0, 1).contiguous(), gemv_int4_layout(q),
+                   scales_and_zeros.transpose(1, 2).contiguous())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if gemv_takes(x):

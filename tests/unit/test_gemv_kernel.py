@@ -125,14 +125,14 @@ def test_gemv_on_int8_weights_rounds_x_per_group(dtype):
 def int4_dequantized(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """(q - 8) * scale + zero per group, in fp32, from the scales and zeros as the kernel reads them."""
     groups = q.view(q.shape[0], -1, INT4_GROUP_SIZE).float()
-    scale, zero = scales_and_zeros.float().unbind(-1)
+    scale, zero = scales_and_zeros.float().unbind(1)
     return ((groups - 8) * scale[..., None] + zero[..., None]).view(q.shape)
 
 
 @settings(max_examples=40, deadline=None)
 @given(
     out_features=st.integers(1, 40),
-    blocks=st.integers(1, 5),  # of the layout's 64 inputs: two groups each
+    blocks=st.integers(1, 12),  # of the layout's 64 inputs: two groups each (past a chunk of 16 groups)
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     with_bias=st.booleans(),
     seed=st.integers(0, 2**16),
@@ -143,7 +143,7 @@ def test_gemv_on_int4_weights_matches_fp32_arithmetic(out_features, blocks, dtyp
     in_features = blocks * 64
     x = torch.randn(1, in_features, generator=gen).to(dtype)
     q, scales, zeros = Int4Weight.levels(torch.randn(out_features, in_features, generator=gen).to(dtype))
-    scales_and_zeros = torch.stack([scales, zeros], dim=-1).to(dtype)
+    scales_and_zeros = torch.stack([scales, zeros], dim=1).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
 
     out = torch.ops.liteinfer.gemv(x, gemv_int4_layout(q), scales_and_zeros, bias)
@@ -187,8 +187,9 @@ def test_gemv_refuses_mismatched_inputs():
         gemv(torch.zeros(2, 64), int4, int4_scales, None)
     with pytest.raises(RuntimeError, match="blocks of 64"):
         gemv(torch.zeros(1, 32), torch.zeros(4, 16, dtype=torch.uint8), int4_scales, None)
-    for scales in (None, torch.ones(4, 1, 2), torch.ones(4, 2)):  # missing, a group per 64 inputs, no pairs
-        with pytest.raises(RuntimeError, match=r"\[out, in / 32, 2\] scales and zeros"):
+    for scales in (None, torch.ones(4, 2, 1), torch.ones(4, 2), int4_scales.bfloat16()):  # missing, a group per
+        # 64 inputs, no scales-then-zeros, not in x's dtype
+        with pytest.raises(RuntimeError, match=r"\[out, 2, in / 32\] scales and zeros, in x's dtype"):
             gemv(torch.zeros(1, 64), int4, scales, None)
 
 
