@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #endif
 
+#include "amx.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -438,6 +440,141 @@ void int8_tile(const int8_t* w, const at::Half* scales_and_zeros, const RowRef* 
   }
 }
 
+#if defined(LITEINFER_AMX) && defined(LITEINFER_GEMV_INT16_INPUTS) && defined(__AVX512BF16__)
+#define LITEINFER_GEMV_AMX
+// bf16 rows of x against int8 weights, on CPUs with AMX, from kAmxMinRows rows up: each thread dequantizes 32 rows
+// of W at a time to bf16 (q * scale + zero in fp32, rounded to nearest even) into a buffer in L2, and multiplies them
+// in tiles, the transposed product y^T = W x^T: W's rows are then the first operand as they are (a tile: 16 rows of
+// W by one group of 32 inputs), and x, small, is what gets rearranged (once a call: its pairs of inputs side by side
+// for 16 rows, the second operand's layout). A pass keeps 2 x 2 tiles of sums: 32 rows of W by 32 rows of x. The
+// weights' rounding to bf16 (2^-9) is the model's own precision in bf16; a row's result does not depend on the
+// other rows, but differs from the integer form's, which one row (and fewer than kAmxMinRows) takes.
+constexpr int64_t kAmxMinRows = 5, kAmxBlock = 16;
+
+// x [m, k] bf16 as tiles of 16 rows (the last zero-padded): for each pair of inputs, the 16 rows' pairs side by side.
+std::vector<int32_t> amx_x_pairs(const c10::BFloat16* x, int64_t m, int64_t k) {
+  const int64_t tiles = (m + kAmxBlock - 1) / kAmxBlock, pairs = k / 2;
+  std::vector<int32_t> out(tiles * pairs * kAmxBlock);
+  const int32_t* x_pairs = reinterpret_cast<const int32_t*>(x);
+  const __m512i row_offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                 _mm512_set1_epi32(static_cast<int32_t>(pairs)));
+  for (int64_t t = 0; t < tiles; ++t) {
+    const __mmask16 valid = static_cast<__mmask16>((1u << std::min(kAmxBlock, m - t * kAmxBlock)) - 1);
+    const int32_t* rows = x_pairs + t * kAmxBlock * pairs;
+    for (int64_t p = 0; p < pairs; ++p)
+      _mm512_storeu_si512(out.data() + (t * pairs + p) * kAmxBlock,
+                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, row_offsets, rows + p, 4));
+  }
+  return out;
+}
+
+// Rows [row0, row0 + 32) of W (those past n as zeros) in bf16, as tiles: for each group of 32 inputs, the 16 rows
+// of each block of 16 side by side ([block][group][16][32]).
+void amx_dequantize(const int8_t* w, const at::Half* scales_and_zeros, int64_t row0, int64_t n, int64_t k,
+                    c10::BFloat16* out) {
+  constexpr int64_t rows = 2 * kAmxBlock, tile = kAmxBlock * kInt8Group;
+  const int64_t groups = k / kInt8Group;
+  for (int64_t i = 0; i < rows; ++i) {
+    c10::BFloat16* tile_row = out + i / kAmxBlock * groups * tile + i % kAmxBlock * kInt8Group;
+    if (row0 + i >= n) {
+      for (int64_t g = 0; g < groups; ++g) _mm512_storeu_si512(tile_row + g * tile, _mm512_setzero_si512());
+      continue;
+    }
+    const int8_t* levels = w + (row0 + i) * k;
+    const at::Half* scales = scales_and_zeros + (row0 + i) * groups * 2;
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const int64_t count = std::min<int64_t>(16, groups - g0);
+      alignas(64) float s[16], z[16];
+      _mm512_store_ps(s, Int8Vectors::widen(scales + g0, count));
+      _mm512_store_ps(z, Int8Vectors::widen(scales + groups + g0, count));
+      for (int64_t j = 0; j < count; ++j) {
+        const int8_t* q = levels + (g0 + j) * kInt8Group;
+        const __m512 scale = _mm512_set1_ps(s[j]), zero = _mm512_set1_ps(z[j]);
+        auto dequantized = [&](int half) {  // 16 levels, from input 16 * half
+          const __m128i values = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * half));
+          return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(values)), scale, zero);
+        };
+        _mm512_storeu_si512(tile_row + (g0 + j) * tile, (__m512i)_mm512_cvtne2ps_pbh(dequantized(1), dequantized(0)));
+      }
+    }
+  }
+}
+
+// y [rows of x, n] for the 2 x XT tiles of sums: 32 rows of W (from row0) by XT tiles of 16 rows of x (from r0).
+template <int XT>
+void amx_int8_pass(const c10::BFloat16* weights, const int32_t* x_pairs, int64_t groups, const c10::BFloat16* bias,
+                   c10::BFloat16* y, int64_t row0, int64_t r0, int64_t m, int64_t n) {
+  constexpr int64_t tile_bytes = 64, tile_elems = kAmxBlock * kInt8Group;
+  const int64_t x_tile = groups * tile_elems / 2;  // int32 pairs per 16 rows of x
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (XT == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    _tile_loadd(4, weights + g * tile_elems, tile_bytes);
+    _tile_loadd(5, weights + (groups + g) * tile_elems, tile_bytes);
+    _tile_loadd(6, x_pairs + g * tile_elems / 2, tile_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    if constexpr (XT == 2) {
+      _tile_loadd(7, x_pairs + x_tile + g * tile_elems / 2, tile_bytes);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float sums[4][kAmxBlock][kAmxBlock];  // [W block + 2 x tile][row of W][row of x]
+  _tile_stored(0, sums[0], tile_bytes);
+  _tile_stored(1, sums[1], tile_bytes);
+  if constexpr (XT == 2) {
+    _tile_stored(2, sums[2], tile_bytes);
+    _tile_stored(3, sums[3], tile_bytes);
+  }
+  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  for (int t = 0; t < XT; ++t)
+    for (int64_t r = 0; r < std::min(kAmxBlock, m - r0 - t * kAmxBlock); ++r)
+      for (int b = 0; b < 2; ++b) {
+        const int64_t out0 = row0 + b * kAmxBlock;
+        if (out0 >= n) continue;
+        const __mmask16 valid = static_cast<__mmask16>((1u << std::min(kAmxBlock, n - out0)) - 1);
+        __m512 v = _mm512_i32gather_ps(column, &sums[2 * t + b][0][r], 4);
+        if (bias) {
+          const __m256i bits = _mm256_maskz_loadu_epi16(valid, bias + out0);
+          v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+        }
+        _mm256_mask_storeu_epi16(y + (r0 + t * kAmxBlock + r) * n + out0, valid, (__m256i)_mm512_cvtneps_pbh(v));
+      }
+}
+
+void int8_rows_amx(const int8_t* w, const at::Half* scales_and_zeros, const c10::BFloat16* x,
+                   const c10::BFloat16* bias, c10::BFloat16* y, int64_t m, int64_t n, int64_t k) {
+  const int64_t groups = k / kInt8Group, row_pairs = (n + 2 * kAmxBlock - 1) / (2 * kAmxBlock);
+  for (int64_t m0 = 0; m0 < m; m0 += kRowsPerPass) {
+    const int64_t m_end = std::min(m, m0 + kRowsPerPass);
+    const std::vector<int32_t> x_pairs = amx_x_pairs(x + m0 * k, m_end - m0, k);
+    at::parallel_for(0, row_pairs, 1, [&](int64_t begin, int64_t end) {
+      const liteinfer::TileConfig config(8);
+      _tile_loadconfig(&config);
+      thread_local std::vector<c10::BFloat16> weights;  // (kept: zeroing it each call cost more than the tiles)
+      weights.resize(std::max<size_t>(weights.size(), 2 * kAmxBlock * k));
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t row0 = pair * 2 * kAmxBlock;
+        amx_dequantize(w, scales_and_zeros, row0, n, k, weights.data());
+        for (int64_t r0 = m0; r0 < m_end; r0 += 2 * kAmxBlock) {
+          const int32_t* tiles = x_pairs.data() + (r0 - m0) / kAmxBlock * groups * kAmxBlock * kAmxBlock;
+          if (m_end - r0 > kAmxBlock)
+            amx_int8_pass<2>(weights.data(), tiles, groups, bias, y, row0, r0, m_end, n);
+          else
+            amx_int8_pass<1>(weights.data(), tiles, groups, bias, y, row0, r0, m_end, n);
+        }
+      }
+      _tile_release();
+    });
+  }
+}
+#endif
+
 template <typename out_t>
 void int8_rows(const int8_t* w, const at::Half* scales_and_zeros, const std::vector<RowInputs>& x, const out_t* bias,
                out_t* y, int64_t n, int64_t k) {
@@ -491,6 +628,14 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
     const scalar_t* b_data = b.defined() ? b.data_ptr<scalar_t>() : nullptr;
     scalar_t* y_data = y.data_ptr<scalar_t>();
     const scalar_t* xs = x_.data_ptr<scalar_t>();
+#if defined(LITEINFER_GEMV_AMX)
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      if (int8 && m >= kAmxMinRows && liteinfer::amx_permitted()) {
+        int8_rows_amx(weight.data_ptr<int8_t>(), s.data_ptr<at::Half>(), xs, b_data, y_data, m, n, k);
+        return;
+      }
+    }
+#endif
     if (int8 || int4) {  // each row of x prepared once: every row of W reads it
       std::vector<RowInputs> rows;
       for (int64_t r = 0; r < m; ++r) rows.push_back(row_inputs(xs + r * k, k));

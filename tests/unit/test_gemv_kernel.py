@@ -54,15 +54,28 @@ def int16_rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return weight.float().abs() @ (half_level / 32767 / 2)
 
 
+def bf16_weight_rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The most that rounding the weights to bf16 (the int8 rows that take AMX tiles) can move each output of
+    x weight^T: half a bf16 step, 2^-9 of |weight|, per input, times |x|."""
+    return x.float().abs() @ (weight.float().abs() * 2**-9).T
+
+
+def takes_amx(x: torch.Tensor) -> bool:
+    """Whether int8 weights meet x in AMX tiles: bf16 x of 5 rows or more, on a CPU with AMX (kernels/gemv.cpp)."""
+    return x.dtype == torch.bfloat16 and x.shape[0] >= 5 and torch.ops.liteinfer.packed_linear_amx()
+
+
 def assert_quantized_gemv_close(out: torch.Tensor, x: torch.Tensor, dequantized: torch.Tensor,
                                 bias: torch.Tensor | None, fp32_tolerance: dict) -> None:
     """The kernel's output against x dequantized^T (+ bias) in fp32: within `fp32_tolerance` (the sums' order) or one
-    bf16 step of the output, plus what rounding x to 16-bit levels can move it (int16_rounding_bound), no more."""
+    bf16 step of the output, plus what rounding x to 16-bit levels (int16_rounding_bound) or, in AMX tiles, the
+    weights to bf16 (bf16_weight_rounding_bound) can move it, no more."""
     # (PyTorch's own int8 kernel is no reference here: on some small bf16 shapes it returns NaN or crashes.)
     expected = F.linear(x.float(), dequantized, None if bias is None else bias.float())
     assert out.dtype == x.dtype and out.shape == expected.shape
     tolerance = fp32_tolerance if x.dtype == torch.float32 else BF16_ONE_STEP
-    allowed = int16_rounding_bound(x, dequantized) + tolerance["atol"] + tolerance["rtol"] * expected.abs()
+    rounding = bf16_weight_rounding_bound(x, dequantized) if takes_amx(x) else int16_rounding_bound(x, dequantized)
+    allowed = rounding + tolerance["atol"] + tolerance["rtol"] * expected.abs()
     error = (out.float() - expected).abs()
     assert (error <= allowed).all(), f"largest excess {(error - allowed).max().item()}"
 
@@ -91,18 +104,41 @@ def test_gemv_on_int8_weights_matches_fp32_arithmetic(rows, out_features, groups
     assert_int8_gemv_close(x, weight, bias)
 
 
-def test_gemv_on_int8_weights_gives_a_row_the_same_result_beside_any_rows():
-    """Rows of x go through in tiles of four: a row's result must not depend on the tile it lands in, so that a
-    sequence's tokens are the same alone and in a batch."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_on_int8_weights_gives_a_row_the_same_result_beside_any_rows(dtype):
+    """Rows of x go through in tiles (of four; in AMX, of 16): a row's result must not depend on the tile it lands in
+    nor on the rows beside it, so that a sequence's tokens do not depend on the batch. Alone, a row takes the integer
+    form, which bf16 batches on AMX CPUs do not: there its result is the same in any batch of five rows or more."""
     assert kernels.load()
     torch.manual_seed(0)
-    weight = Int8Weight.from_float(torch.randn(40, 96))
-    x = torch.randn(7, 96)
+    weight = Int8Weight.from_float(torch.randn(40, 96).to(dtype))
+    x, others = torch.randn(7, 96).to(dtype), torch.randn(40, 96).to(dtype)
     def gemv(rows):
         return torch.ops.liteinfer.gemv(rows, weight.q, weight.scales_and_zeros, None)
 
     together = gemv(x)
-    assert all(torch.equal(together[r], gemv(x[r:r + 1])[0]) for r in range(7))
+    for r in range(7):
+        assert torch.equal(together[r], gemv(torch.cat([others[:4 + r], x[r:r + 1], others[4 + r:]]))[4 + r])
+        if not takes_amx(x):
+            assert torch.equal(together[r], gemv(x[r:r + 1])[0])
+
+
+@pytest.mark.parametrize(("rows", "out_features", "groups"), [(5, 40, 3), (16, 49, 48), (17, 32, 1), (33, 96, 18),
+                                                              (130, 20, 5)])
+def test_gemv_on_int8_weights_in_amx_tiles_sums_the_weights_in_bf16(rows, out_features, groups):
+    """On AMX CPUs, bf16 rows meet the weights dequantized to bf16: exactly x . bf16(q * scale + zero) summed in fp32
+    (shapes: one tile of x rows and a pair of them, a row past them, passes of 128 rows; W's rows in pairs of 16
+    and past them)."""
+    assert kernels.load()
+    torch.manual_seed(0)
+    x = torch.randn(rows, groups * INT8_GROUP_SIZE).bfloat16()
+    if not takes_amx(x):
+        pytest.skip("this CPU has no AMX")
+    weight = Int8Weight.from_float(torch.randn(out_features, x.shape[1]).bfloat16())
+    bias = torch.randn(out_features).bfloat16()
+    out = torch.ops.liteinfer.gemv(x, weight.q, weight.scales_and_zeros, bias)
+    expected = F.linear(x.float(), weight.dequantized(torch.float32).bfloat16().float(), bias.float())
+    torch.testing.assert_close(out.float(), expected, **BF16_ONE_STEP)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
