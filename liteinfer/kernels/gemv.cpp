@@ -171,8 +171,14 @@ constexpr int64_t kInt8Group = 32, kInt4Group = 32;  // the groups that share a 
 // there since.
 #define LITEINFER_GEMV_INT16_INPUTS
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define LITEINFER_GEMV_INT4_PAIRS  // int4 rows take two blocks a step, in 512-bit registers (dot_rows_int4)
+#endif
+
 struct Int16Inputs {
-  std::vector<int16_t> levels;  // x[i] ≈ levels[i] * scales[i / kGroup]
+  // x[i] ≈ levels[i] * scales[i / kGroup]; int4's order (int16_inputs' `int4_pairs`) holds each pair of blocks of
+  // 64 as its four sixteens of inputs, each the first block's beside the second's.
+  std::vector<int16_t> levels;
   std::vector<float> scales;
   // Per group of 32 inputs (int8's and int4's): its levels' scale (its group of 64's), and its sum of levels times
   // that scale (the sum of x as rounded); zero past the last group up to a multiple of 16, so that int8 loads them a
@@ -182,7 +188,7 @@ struct Int16Inputs {
 };
 
 template <typename scalar_t>
-inline Int16Inputs int16_inputs(const scalar_t* x, int64_t k) {
+inline Int16Inputs int16_inputs(const scalar_t* x, int64_t k, bool int4_pairs) {
   const int64_t groups = (k + kGroup - 1) / kGroup, padded = (k + 16 * kInt8Group - 1) / (16 * kInt8Group) * 16;
   Int16Inputs inputs{std::vector<int16_t>(k), std::vector<float>(groups), std::vector<float>(padded),
                      std::vector<float>(padded)};
@@ -209,6 +215,14 @@ inline Int16Inputs int16_inputs(const scalar_t* x, int64_t k) {
       inputs.sums[half / kInt8Group] = static_cast<float>(sum) * inputs.scales[g];
     }
   }
+  if (int4_pairs) {
+    for (int64_t pair = 0; pair + 2 * kGroup <= k; pair += 2 * kGroup) {
+      int16_t reordered[2 * kGroup];
+      for (int n = 0; n < 4; ++n)
+        for (int b = 0; b < 2; ++b) std::copy_n(levels + pair + b * kGroup + 16 * n, 16, reordered + 32 * n + 16 * b);
+      std::copy_n(reordered, 2 * kGroup, levels + pair);
+    }
+  }
   return inputs;
 }
 
@@ -221,6 +235,18 @@ inline __m256i multiply_add(__m256i acc, __m256i weights, const int16_t* x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(weights, xv));
 #endif
 }
+
+#if defined(LITEINFER_GEMV_INT4_PAIRS)
+// acc + 32 weight levels times 32 x levels, summed in pairs: sixteen int32.
+inline __m512i dot_pairs(__m512i acc, __m512i weights, const int16_t* x) {
+  const __m512i xv = _mm512_loadu_si512(x);
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, weights, xv);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(weights, xv));
+#endif
+}
+#endif
 
 // int8's vector operations, in the widest registers there are: a group's 32 levels as 16-bit integers, the products
 // with x's levels summed in pairs into int32 lanes, then in fp32; and `chunk` groups' scales or zeros widened from
@@ -330,39 +356,83 @@ inline void dot_rows_int8(const int8_t* w, const Int16Inputs* const* inputs, con
   for (int r = 0; r < R; ++r) out[r] = reduce(add(total[r], offsets[r]));
 }
 
-// A row's sum of ((q - 8) s + z) x over its groups, as sum of s (q · x) + (z - 8 s) (sum of x); each block of 64
-// inputs holds two groups (nibbles 0-1 of its lanes the first, 2-3 the second). As int8's rows do, a chunk of
-// groups' scales and zeros is widened at once into the groups' factors and the offsets, so that a block costs its
-// integer products, two conversions and two multiply-adds (one chain per group of the block); scalar conversions
-// and sums per group had made int4 bound by its instructions rather than its bytes (docs/benchmarks.md).
-template <typename scale_t>
-inline float dot_row_int4(const uint8_t* w, const Int16Inputs* inputs, const scale_t* scales, const scale_t* zeros,
-                          int64_t groups) {
+// A row of int4 weights times each of R rows of x: sum of ((q - 8) s + z) x over its groups, as sum of s (q · x) +
+// (z - 8 s) (sum of x); each block of 64 inputs holds two groups (nibbles 0-1 of its lanes the first, 2-3 the
+// second). As int8's rows do, a chunk of groups' scales and zeros is widened at once into the groups' factors and
+// the offsets, and each row of x gets the same operations whatever R is. A block costs its levels' shifts and masks
+// (once for the R rows), and per row its integer products, two conversions and two multiply-adds (one chain per
+// group of the block); scalar conversions and sums per group had made int4 bound by its instructions rather than
+// its bytes (docs/benchmarks.md).
+template <int R, typename scale_t>
+inline void dot_rows_int4(const uint8_t* w, const Int16Inputs* const* inputs, const scale_t* scales,
+                          const scale_t* zeros, int64_t groups, float* out) {
   using V = Int8Vectors;
   const __m256i nibble = _mm256_set1_epi16(0xF);
-  __m256 first = _mm256_setzero_ps(), second = _mm256_setzero_ps();  // the s (q · x) terms of each block's groups
-  typename V::Float offsets = zero(typename V::Float{});
+  __m256 first[R], second[R];  // the s (q · x) terms of each block's groups
+  typename V::Float offsets[R];
+  for (int r = 0; r < R; ++r) {
+    first[r] = second[r] = _mm256_setzero_ps();
+    offsets[r] = zero(typename V::Float{});
+  }
+#if defined(LITEINFER_GEMV_INT4_PAIRS)
+  __m512 wide_first[R], wide_second[R];
+  for (int r = 0; r < R; ++r) wide_first[r] = wide_second[r] = _mm512_setzero_ps();
+#endif
   for (int64_t g0 = 0; g0 < groups; g0 += V::chunk) {
     const int64_t count = std::min(V::chunk, groups - g0);
     const typename V::Float s = V::widen(scales + g0, count);
-    alignas(64) float factors[V::chunk];
-    V::store(factors, V::mul(s, V::load(inputs->group_scales.data() + g0)));
-    offsets = V::fma(V::fma(s, V::broadcast(-8.f), V::widen(zeros + g0, count)), V::load(inputs->sums.data() + g0),
-                     offsets);
-    for (int64_t j = 0; j < count; j += 2) {  // the block of groups g0 + j and g0 + j + 1
+    const typename V::Float z = V::fma(s, V::broadcast(-8.f), V::widen(zeros + g0, count));
+    alignas(64) float factors[R][V::chunk];
+    for (int r = 0; r < R; ++r) {
+      V::store(factors[r], V::mul(s, V::load(inputs[r]->group_scales.data() + g0)));
+      offsets[r] = V::fma(z, V::load(inputs[r]->sums.data() + g0), offsets[r]);
+    }
+    int64_t j = 0;
+#if defined(LITEINFER_GEMV_INT4_PAIRS)
+    // Two blocks a step (groups g0 + j .. g0 + j + 3): nibble n of 32 lanes, the first block's 16 beside the
+    // second's, against x's levels in the same order; the sums of groups j and j + 2 share a register, as do j + 1
+    // and j + 3, each half scaled by its own group's factor.
+    const __m512i nibble512 = _mm512_set1_epi16(0xF), halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2,
+                                                                                  2, 2, 2, 2);
+    for (; j + 4 <= count; j += 4) {
+      const __m512i lanes = _mm512_loadu_si512(w + (g0 + j) * kInt4Group / 2);
+      const __m512i v0 = _mm512_and_si512(lanes, nibble512);
+      const __m512i v1 = _mm512_and_si512(_mm512_srli_epi16(lanes, 4), nibble512);
+      const __m512i v2 = _mm512_and_si512(_mm512_srli_epi16(lanes, 8), nibble512);
+      const __m512i v3 = _mm512_srli_epi16(lanes, 12);
+      const __m512i first_groups = _mm512_add_epi32(halves, _mm512_set1_epi32(static_cast<int32_t>(j)));
+      const __m512i second_groups = _mm512_add_epi32(first_groups, _mm512_set1_epi32(1));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int16_t* x = inputs[r]->levels.data() + (g0 + j) * kInt4Group;
+        const __m512 f = _mm512_load_ps(factors[r]);
+        const __m512i sum0 = dot_pairs(dot_pairs(_mm512_setzero_si512(), v0, x), v1, x + 32);
+        const __m512i sum1 = dot_pairs(dot_pairs(_mm512_setzero_si512(), v2, x + 64), v3, x + 96);
+        wide_first[r] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum0), _mm512_permutexvar_ps(first_groups, f), wide_first[r]);
+        wide_second[r] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum1), _mm512_permutexvar_ps(second_groups, f), wide_second[r]);
+      }
+    }
+#endif
+    for (; j < count; j += 2) {  // the block of groups g0 + j and g0 + j + 1 (with pairs: a row's last, alone)
       const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g0 + j) * kInt4Group / 2));
-      auto weights = [&](int n) {  // nibble n of every lane (the top one needs no mask)
-        const __m256i shifted = _mm256_srli_epi16(lanes, 4 * n);
-        return n == 3 ? shifted : _mm256_and_si256(shifted, nibble);
-      };
-      const int16_t* x = inputs->levels.data() + (g0 + j) * kInt4Group;
-      const __m256i sum0 = multiply_add(multiply_add(_mm256_setzero_si256(), weights(0), x), weights(1), x + 16);
-      const __m256i sum1 = multiply_add(multiply_add(_mm256_setzero_si256(), weights(2), x + 32), weights(3), x + 48);
-      first = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum0), _mm256_set1_ps(factors[j]), first);
-      second = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum1), _mm256_set1_ps(factors[j + 1]), second);
+      const __m256i w0 = _mm256_and_si256(lanes, nibble), w1 = _mm256_and_si256(_mm256_srli_epi16(lanes, 4), nibble);
+      const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(lanes, 8), nibble), w3 = _mm256_srli_epi16(lanes, 12);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int16_t* x = inputs[r]->levels.data() + (g0 + j) * kInt4Group;
+        const __m256i sum0 = multiply_add(multiply_add(_mm256_setzero_si256(), w0, x), w1, x + 16);
+        const __m256i sum1 = multiply_add(multiply_add(_mm256_setzero_si256(), w2, x + 32), w3, x + 48);
+        first[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum0), _mm256_set1_ps(factors[r][j]), first[r]);
+        second[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum1), _mm256_set1_ps(factors[r][j + 1]), second[r]);
+      }
     }
   }
-  return reduce(_mm256_add_ps(first, second)) + reduce(offsets);
+#if defined(LITEINFER_GEMV_INT4_PAIRS)
+  for (int r = 0; r < R; ++r) offsets[r] = _mm512_add_ps(offsets[r], _mm512_add_ps(wide_first[r], wide_second[r]));
+#endif
+  for (int r = 0; r < R; ++r) out[r] = reduce(_mm256_add_ps(first[r], second[r])) + reduce(offsets[r]);
 }
 #else
 // The portable forms, in fp32 against x as given.
@@ -379,17 +449,19 @@ inline void dot_rows_int8(const int8_t* w, const float* const* x, const at::Half
   }
 }
 
-template <typename scale_t>
-inline float dot_row_int4(const uint8_t* w, const float* x, const scale_t* scales, const scale_t* zeros,
-                          int64_t groups) {
-  float sum = 0.f;
-  for (int64_t i = 0; i < groups * kInt4Group; ++i) {  // input i of its block: lane i % 16, nibble i / 16
-    const int64_t g = i / kInt4Group, in_block = i % kGroup;
-    const uint8_t byte = w[i / kGroup * kGroup / 2 + 2 * (in_block % 16) + in_block / 32];
-    const int q = in_block / 16 % 2 ? byte >> 4 : byte & 0xF;
-    sum += ((q - 8) * static_cast<float>(scales[g]) + static_cast<float>(zeros[g])) * x[i];
+template <int R, typename scale_t>
+inline void dot_rows_int4(const uint8_t* w, const float* const* x, const scale_t* scales, const scale_t* zeros,
+                          int64_t groups, float* out) {
+  for (int r = 0; r < R; ++r) {
+    float sum = 0.f;
+    for (int64_t i = 0; i < groups * kInt4Group; ++i) {  // input i of its block: lane i % 16, nibble i / 16
+      const int64_t g = i / kInt4Group, in_block = i % kGroup;
+      const uint8_t byte = w[i / kGroup * kGroup / 2 + 2 * (in_block % 16) + in_block / 32];
+      const int q = in_block / 16 % 2 ? byte >> 4 : byte & 0xF;
+      sum += ((q - 8) * static_cast<float>(scales[g]) + static_cast<float>(zeros[g])) * x[r][i];
+    }
+    out[r] = sum;
   }
-  return sum;
 }
 #endif
 
@@ -398,12 +470,18 @@ inline float dot_row_int4(const uint8_t* w, const float* x, const scale_t* scale
 #if defined(LITEINFER_GEMV_INT16_INPUTS)
 using RowInputs = Int16Inputs;
 template <typename scalar_t>
-RowInputs row_inputs(const scalar_t* x, int64_t k) { return int16_inputs(x, k); }
+RowInputs row_inputs(const scalar_t* x, int64_t k, bool int4) {
+#if defined(LITEINFER_GEMV_INT4_PAIRS)
+  return int16_inputs(x, k, int4);
+#else
+  return int16_inputs(x, k, false);
+#endif
+}
 inline const Int16Inputs* row_ref(const RowInputs& row) { return &row; }
 #else
 using RowInputs = std::vector<float>;
 template <typename scalar_t>
-RowInputs row_inputs(const scalar_t* x, int64_t k) { return RowInputs(x, x + k); }
+RowInputs row_inputs(const scalar_t* x, int64_t k, bool) { return RowInputs(x, x + k); }
 inline const float* row_ref(const RowInputs& row) { return row.data(); }
 #endif
 using RowRef = decltype(row_ref(std::declval<const RowInputs&>()));
@@ -421,34 +499,97 @@ void gemv_rows(const RowDot& row_dot, const out_t* bias, out_t* y, int64_t n) {
   });
 }
 
-// int8 weights against m rows of x, y [m, n]. Each thread takes a contiguous share of W's rows, kRowBlock at a time,
-// and runs every row of x over a block, kTile rows of x at a time, while the block sits in L1 (16 rows of 1,536
-// inputs: 24 KB); x's rows kRowsPerPass at a time, so that their levels stay in L2 (128 x 1,536 x 2 bytes: 384 KB).
-// With one row of x this is the GEMV's stream through W, row after row.
+// The quantized weights as the loops below read them: a row's dot products with R rows of x (`dot`), and for the
+// AMX tiles, a row's scales and zeros (in `scale_t`), the offset of its levels (a weight is (q + offset) s + z) and
+// 16 of its levels as int32 (group g, inputs 16 * half on).
+struct Int8Rows {
+  using scale_t = at::Half;
+  static constexpr float offset = 0.f;
+  const int8_t* w;
+  const at::Half* scales_and_zeros;  // [n, 2, groups]
+  int64_t k;
+  int64_t groups() const { return k / kInt8Group; }
+  const at::Half* scales(int64_t row) const { return scales_and_zeros + row * groups() * 2; }
+  template <int R>
+  void dot(int64_t row, const RowRef* x, float* out) const {
+    dot_rows_int8<R>(w + row * k, x, scales(row), scales(row) + groups(), groups(), out);
+  }
+#if defined(__AVX512F__)
+  __m512i levels(int64_t row, int64_t g, int half) const {
+    const int8_t* levels = w + row * k + g * kInt8Group + 16 * half;
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(levels)));
+  }
+#endif
+};
+
+template <typename scale_type>
+struct Int4Rows {
+  using scale_t = scale_type;
+  static constexpr float offset = -8.f;
+  const uint8_t* w;  // [n, k / 2] in gemv_int4_layout
+  const scale_t* scales_and_zeros;  // [n, 2, groups]
+  int64_t k;
+  int64_t groups() const { return k / kInt4Group; }
+  const scale_t* scales(int64_t row) const { return scales_and_zeros + row * groups() * 2; }
+  template <int R>
+  void dot(int64_t row, const RowRef* x, float* out) const {
+    dot_rows_int4<R>(w + row * k / 2, x, scales(row), scales(row) + groups(), groups(), out);
+  }
+#if defined(__AVX512F__)
+  __m512i levels(int64_t row, int64_t g, int half) const {  // nibble 2 (g % 2) + half of the block's lanes
+    const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + row * k / 2 + g / 2 * kGroup / 2));
+    const __m256i shifted = _mm256_srli_epi16(lanes, 4 * (2 * (g % 2) + half));
+    return _mm512_cvtepu16_epi32(_mm256_and_si256(shifted, _mm256_set1_epi16(0xF)));
+  }
+#endif
+};
+
+// Quantized weights against m rows of x, y [m, n]. Each thread takes a contiguous share of W's rows, kRowBlock at a
+// time, and runs every row of x over a block, kTile rows of x at a time, while the block sits in L1 (16 rows of
+// 1,536 int8 inputs: 24 KB); x's rows kRowsPerPass at a time, so that their levels stay in L2 (128 x 1,536 x 2
+// bytes: 384 KB). With one row of x this is the GEMV's stream through W, row after row.
 constexpr int64_t kRowBlock = 16, kRowsPerPass = 128;
 constexpr int kTile = 4;
 
-template <int R, typename out_t>
-void int8_tile(const int8_t* w, const at::Half* scales_and_zeros, const RowRef* x, const out_t* bias, out_t* y,
-               int64_t row_begin, int64_t row_end, int64_t n, int64_t k) {
-  const int64_t groups = k / kInt8Group;
+template <int R, typename Weights, typename out_t>
+void quantized_tile(const Weights& weights, const RowRef* x, const out_t* bias, out_t* y, int64_t row_begin,
+                    int64_t row_end, int64_t n) {
   for (int64_t row = row_begin; row < row_end; ++row) {
     float sums[R];
-    const at::Half* scales = scales_and_zeros + row * groups * 2;
-    dot_rows_int8<R>(w + row * k, x, scales, scales + groups, groups, sums);
+    weights.template dot<R>(row, x, sums);
     for (int r = 0; r < R; ++r) y[r * n + row] = output(sums[r], bias, row);
+  }
+}
+
+template <typename Weights, typename out_t>
+void quantized_rows(const Weights& weights, const std::vector<RowInputs>& x, const out_t* bias, out_t* y,
+                    int64_t n) {
+  const int64_t m = static_cast<int64_t>(x.size());
+  std::vector<RowRef> refs;
+  for (const RowInputs& row : x) refs.push_back(row_ref(row));
+  for (int64_t m0 = 0; m0 < m; m0 += kRowsPerPass) {
+    const int64_t m_end = std::min(m, m0 + kRowsPerPass);
+    at::parallel_for(0, n, kRowBlock, [&](int64_t begin, int64_t end) {
+      for (int64_t b0 = begin; b0 < end; b0 += kRowBlock) {
+        const int64_t b_end = std::min(end, b0 + kRowBlock);
+        int64_t r = m0;
+        for (; r + kTile <= m_end; r += kTile)
+          quantized_tile<kTile>(weights, refs.data() + r, bias, y + r * n, b0, b_end, n);
+        for (; r < m_end; ++r) quantized_tile<1>(weights, refs.data() + r, bias, y + r * n, b0, b_end, n);
+      }
+    });
   }
 }
 
 #if defined(LITEINFER_AMX) && defined(LITEINFER_GEMV_INT16_INPUTS) && defined(__AVX512BF16__)
 #define LITEINFER_GEMV_AMX
-// bf16 rows of x against int8 weights, on CPUs with AMX, from kAmxMinRows rows up: each thread dequantizes 32 rows
-// of W at a time to bf16 (q * scale + zero in fp32, rounded to nearest even) into a buffer in L2, and multiplies them
-// in tiles, the transposed product y^T = W x^T: W's rows are then the first operand as they are (a tile: 16 rows of
-// W by one group of 32 inputs), and x, small, is what gets rearranged (once a call: its pairs of inputs side by side
-// for 16 rows, the second operand's layout). A pass keeps 2 x 2 tiles of sums: 32 rows of W by 32 rows of x. The
-// weights' rounding to bf16 (2^-9) is the model's own precision in bf16; a row's result does not depend on the
-// other rows, but differs from the integer form's, which one row (and fewer than kAmxMinRows) takes.
+// bf16 rows of x against int8 or int4 weights, on CPUs with AMX, from kAmxMinRows rows up: each thread dequantizes
+// 32 rows of W at a time to bf16 ((q + offset) * scale + zero in fp32, rounded to nearest even) into a buffer in L2,
+// and multiplies them in tiles, the transposed product y^T = W x^T: W's rows are then the first operand as they are
+// (a tile: 16 rows of W by one group of 32 inputs), and x, small, is what gets rearranged (once a call: its pairs of
+// inputs side by side for 16 rows, the second operand's layout). A pass keeps 2 x 2 tiles of sums: 32 rows of W by
+// 32 rows of x. The weights' rounding to bf16 (2^-9) is the model's own precision in bf16; a row's result does not
+// depend on the other rows, but differs from the integer form's, which one row (and fewer than kAmxMinRows) takes.
 constexpr int64_t kAmxMinRows = 5, kAmxBlock = 16;
 
 // x [m, k] bf16 as tiles of 16 rows (the last zero-padded): for each pair of inputs, the 16 rows' pairs side by side.
@@ -456,8 +597,9 @@ std::vector<int32_t> amx_x_pairs(const c10::BFloat16* x, int64_t m, int64_t k) {
   const int64_t tiles = (m + kAmxBlock - 1) / kAmxBlock, pairs = k / 2;
   std::vector<int32_t> out(tiles * pairs * kAmxBlock);
   const int32_t* x_pairs = reinterpret_cast<const int32_t*>(x);
-  const __m512i row_offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                 _mm512_set1_epi32(static_cast<int32_t>(pairs)));
+  const __m512i row_offsets =
+      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                         _mm512_set1_epi32(static_cast<int32_t>(pairs)));
   for (int64_t t = 0; t < tiles; ++t) {
     const __mmask16 valid = static_cast<__mmask16>((1u << std::min(kAmxBlock, m - t * kAmxBlock)) - 1);
     const int32_t* rows = x_pairs + t * kAmxBlock * pairs;
@@ -470,29 +612,29 @@ std::vector<int32_t> amx_x_pairs(const c10::BFloat16* x, int64_t m, int64_t k) {
 
 // Rows [row0, row0 + 32) of W (those past n as zeros) in bf16, as tiles: for each group of 32 inputs, the 16 rows
 // of each block of 16 side by side ([block][group][16][32]).
-void amx_dequantize(const int8_t* w, const at::Half* scales_and_zeros, int64_t row0, int64_t n, int64_t k,
-                    c10::BFloat16* out) {
+template <typename Weights>
+void amx_dequantize(const Weights& weights, int64_t row0, int64_t n, c10::BFloat16* out) {
   constexpr int64_t rows = 2 * kAmxBlock, tile = kAmxBlock * kInt8Group;
-  const int64_t groups = k / kInt8Group;
+  const int64_t groups = weights.groups();
   for (int64_t i = 0; i < rows; ++i) {
     c10::BFloat16* tile_row = out + i / kAmxBlock * groups * tile + i % kAmxBlock * kInt8Group;
-    if (row0 + i >= n) {
+    const int64_t row = row0 + i;
+    if (row >= n) {
       for (int64_t g = 0; g < groups; ++g) _mm512_storeu_si512(tile_row + g * tile, _mm512_setzero_si512());
       continue;
     }
-    const int8_t* levels = w + (row0 + i) * k;
-    const at::Half* scales = scales_and_zeros + (row0 + i) * groups * 2;
+    const typename Weights::scale_t* scales = weights.scales(row);
     for (int64_t g0 = 0; g0 < groups; g0 += 16) {
       const int64_t count = std::min<int64_t>(16, groups - g0);
-      alignas(64) float s[16], z[16];
-      _mm512_store_ps(s, Int8Vectors::widen(scales + g0, count));
-      _mm512_store_ps(z, Int8Vectors::widen(scales + groups + g0, count));
+      alignas(64) float s[16], z[16];  // the weight: q s + (z + offset s)
+      const __m512 scale = Int8Vectors::widen(scales + g0, count);
+      _mm512_store_ps(s, scale);
+      _mm512_store_ps(z, _mm512_fmadd_ps(scale, _mm512_set1_ps(Weights::offset),
+                                         Int8Vectors::widen(scales + groups + g0, count)));
       for (int64_t j = 0; j < count; ++j) {
-        const int8_t* q = levels + (g0 + j) * kInt8Group;
-        const __m512 scale = _mm512_set1_ps(s[j]), zero = _mm512_set1_ps(z[j]);
-        auto dequantized = [&](int half) {  // 16 levels, from input 16 * half
-          const __m128i values = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * half));
-          return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(values)), scale, zero);
+        auto dequantized = [&](int half) {  // 16 weights, from input 16 * half of the group
+          const __m512 levels = _mm512_cvtepi32_ps(weights.levels(row, g0 + j, half));
+          return _mm512_fmadd_ps(levels, _mm512_set1_ps(s[j]), _mm512_set1_ps(z[j]));
         };
         _mm512_storeu_si512(tile_row + (g0 + j) * tile, (__m512i)_mm512_cvtne2ps_pbh(dequantized(1), dequantized(0)));
       }
@@ -502,7 +644,7 @@ void amx_dequantize(const int8_t* w, const at::Half* scales_and_zeros, int64_t r
 
 // y [rows of x, n] for the 2 x XT tiles of sums: 32 rows of W (from row0) by XT tiles of 16 rows of x (from r0).
 template <int XT>
-void amx_int8_pass(const c10::BFloat16* weights, const int32_t* x_pairs, int64_t groups, const c10::BFloat16* bias,
+void amx_pass(const c10::BFloat16* weights, const int32_t* x_pairs, int64_t groups, const c10::BFloat16* bias,
                    c10::BFloat16* y, int64_t row0, int64_t r0, int64_t m, int64_t n) {
   constexpr int64_t tile_bytes = 64, tile_elems = kAmxBlock * kInt8Group;
   const int64_t x_tile = groups * tile_elems / 2;  // int32 pairs per 16 rows of x
@@ -547,26 +689,27 @@ void amx_int8_pass(const c10::BFloat16* weights, const int32_t* x_pairs, int64_t
       }
 }
 
-void int8_rows_amx(const int8_t* w, const at::Half* scales_and_zeros, const c10::BFloat16* x,
-                   const c10::BFloat16* bias, c10::BFloat16* y, int64_t m, int64_t n, int64_t k) {
-  const int64_t groups = k / kInt8Group, row_pairs = (n + 2 * kAmxBlock - 1) / (2 * kAmxBlock);
+template <typename Weights>
+void amx_rows(const Weights& weights, const c10::BFloat16* x, const c10::BFloat16* bias, c10::BFloat16* y,
+              int64_t m, int64_t n) {
+  const int64_t k = weights.k, groups = weights.groups(), row_pairs = (n + 2 * kAmxBlock - 1) / (2 * kAmxBlock);
   for (int64_t m0 = 0; m0 < m; m0 += kRowsPerPass) {
     const int64_t m_end = std::min(m, m0 + kRowsPerPass);
     const std::vector<int32_t> x_pairs = amx_x_pairs(x + m0 * k, m_end - m0, k);
     at::parallel_for(0, row_pairs, 1, [&](int64_t begin, int64_t end) {
       const liteinfer::TileConfig config(8);
       _tile_loadconfig(&config);
-      thread_local std::vector<c10::BFloat16> weights;  // (kept: zeroing it each call cost more than the tiles)
-      weights.resize(std::max<size_t>(weights.size(), 2 * kAmxBlock * k));
+      thread_local std::vector<c10::BFloat16> dequantized;  // (kept: zeroing it each call cost more than the tiles)
+      dequantized.resize(std::max<size_t>(dequantized.size(), 2 * kAmxBlock * k));
       for (int64_t pair = begin; pair < end; ++pair) {
         const int64_t row0 = pair * 2 * kAmxBlock;
-        amx_dequantize(w, scales_and_zeros, row0, n, k, weights.data());
+        amx_dequantize(weights, row0, n, dequantized.data());
         for (int64_t r0 = m0; r0 < m_end; r0 += 2 * kAmxBlock) {
           const int32_t* tiles = x_pairs.data() + (r0 - m0) / kAmxBlock * groups * kAmxBlock * kAmxBlock;
           if (m_end - r0 > kAmxBlock)
-            amx_int8_pass<2>(weights.data(), tiles, groups, bias, y, row0, r0, m_end, n);
+            amx_pass<2>(dequantized.data(), tiles, groups, bias, y, row0, r0, m_end, n);
           else
-            amx_int8_pass<1>(weights.data(), tiles, groups, bias, y, row0, r0, m_end, n);
+            amx_pass<1>(dequantized.data(), tiles, groups, bias, y, row0, r0, m_end, n);
         }
       }
       _tile_release();
@@ -575,32 +718,12 @@ void int8_rows_amx(const int8_t* w, const at::Half* scales_and_zeros, const c10:
 }
 #endif
 
-template <typename out_t>
-void int8_rows(const int8_t* w, const at::Half* scales_and_zeros, const std::vector<RowInputs>& x, const out_t* bias,
-               out_t* y, int64_t n, int64_t k) {
-  const int64_t m = static_cast<int64_t>(x.size());
-  std::vector<RowRef> refs;
-  for (const RowInputs& row : x) refs.push_back(row_ref(row));
-  for (int64_t m0 = 0; m0 < m; m0 += kRowsPerPass) {
-    const int64_t m_end = std::min(m, m0 + kRowsPerPass);
-    at::parallel_for(0, n, kRowBlock, [&](int64_t begin, int64_t end) {
-      for (int64_t b0 = begin; b0 < end; b0 += kRowBlock) {
-        const int64_t b_end = std::min(end, b0 + kRowBlock);
-        int64_t r = m0;
-        for (; r + kTile <= m_end; r += kTile)
-          int8_tile<kTile>(w, scales_and_zeros, refs.data() + r, bias, y + r * n, b0, b_end, n, k);
-        for (; r < m_end; ++r) int8_tile<1>(w, scales_and_zeros, refs.data() + r, bias, y + r * n, b0, b_end, n, k);
-      }
-    });
-  }
-}
-
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
                 const c10::optional<at::Tensor>& bias) {
   const bool int8 = weight.scalar_type() == at::kChar, int4 = weight.scalar_type() == at::kByte;
-  TORCH_CHECK(x.dim() == 2 && (int8 ? x.size(0) >= 1 : x.size(0) == 1) && weight.dim() == 2 &&
+  TORCH_CHECK(x.dim() == 2 && (int8 || int4 ? x.size(0) >= 1 : x.size(0) == 1) && weight.dim() == 2 &&
                   x.size(1) == weight.size(1) * (int4 ? 2 : 1),
-              "expected x [1, in] (int8: [rows, in]) and weight [out, in] (int4: [out, in / 2] bytes)");
+              "expected x [1, in] (quantized weights: [rows, in]) and weight [out, in] (int4: [out, in / 2] bytes)");
   TORCH_CHECK(weight.is_contiguous(), "the weight must be contiguous");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "gemv takes fp32 or bf16 x");
   TORCH_CHECK(int8 || int4 || x.scalar_type() == weight.scalar_type(), "x and a float weight must share a dtype");
@@ -628,30 +751,21 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
     const scalar_t* b_data = b.defined() ? b.data_ptr<scalar_t>() : nullptr;
     scalar_t* y_data = y.data_ptr<scalar_t>();
     const scalar_t* xs = x_.data_ptr<scalar_t>();
+    if (int8 || int4) {
+      auto multiply = [&](const auto& weights) {
 #if defined(LITEINFER_GEMV_AMX)
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-      if (int8 && m >= kAmxMinRows && liteinfer::amx_permitted()) {
-        int8_rows_amx(weight.data_ptr<int8_t>(), s.data_ptr<at::Half>(), xs, b_data, y_data, m, n, k);
-        return;
-      }
-    }
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          if (m >= kAmxMinRows && liteinfer::amx_permitted()) return amx_rows(weights, xs, b_data, y_data, m, n);
+        }
 #endif
-    if (int8 || int4) {  // each row of x prepared once: every row of W reads it
-      std::vector<RowInputs> rows;
-      for (int64_t r = 0; r < m; ++r) rows.push_back(row_inputs(xs + r * k, k));
-      if (int8) {
-        int8_rows(weight.data_ptr<int8_t>(), s.data_ptr<at::Half>(), rows, b_data, y_data, n, k);
-      } else {
-        const uint8_t* w = weight.data_ptr<uint8_t>();
-        const scalar_t* s_data = s.data_ptr<scalar_t>();
-        const int64_t groups = k / kInt4Group;
-        gemv_rows(
-            [&](int64_t row) {
-              const scalar_t* scales = s_data + row * groups * 2;
-              return dot_row_int4(w + row * k / 2, row_ref(rows[0]), scales, scales + groups, groups);
-            },
-            b_data, y_data, n);
-      }
+        std::vector<RowInputs> rows;  // each row of x prepared once: every row of W reads it
+        for (int64_t r = 0; r < m; ++r) rows.push_back(row_inputs(xs + r * k, k, int4));
+        quantized_rows(weights, rows, b_data, y_data, n);
+      };
+      if (int8)
+        multiply(Int8Rows{weight.data_ptr<int8_t>(), s.data_ptr<at::Half>(), k});
+      else
+        multiply(Int4Rows<scalar_t>{weight.data_ptr<uint8_t>(), s.data_ptr<scalar_t>(), k});
     } else {
       const scalar_t* w = weight.data_ptr<scalar_t>();
       gemv_rows([&](int64_t row) { return dot_row(w + row * k, xs, k); }, b_data, y_data, n);

@@ -2,11 +2,10 @@
 with a scale and a zero per group of 32 inputs.
 
 Weights are quantized once loaded, from the loaded float weights (no calibration data); activations keep the
-model's dtype, and the kernels multiply them by the quantized weights directly: int8 always through our kernel
-(kernels/gemv.cpp), int4 through it at one row (a single sequence's decode step) and through PyTorch's packed CPU
-kernel at several. At batch 1 a decode step streams every weight from memory once, so fewer bytes per weight is
-fewer milliseconds per token; large batches are bound by arithmetic instead, where these kernels gain nothing
-(docs/benchmarks.md).
+model's dtype, and our kernel (kernels/gemv.cpp) multiplies them by the quantized weights directly, at any number of
+rows (bf16 batches on CPUs with AMX through the weights dequantized to bf16, 32 rows of W at a time). At batch 1 a
+decode step streams every weight from memory once, so fewer bytes per weight is fewer milliseconds per token; large
+batches are bound by arithmetic instead, where quantized weights save memory rather than time (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from liteinfer.layers.linear import Linear, gemv_takes
 # 8 chat prompts x 48 greedy tokens: all 8 identical to the fp32 model, against 0 with groups of 64).
 INT4_GROUP_SIZE = 32
 _GEMV_INT4_BLOCK = 64  # inputs per block of the GEMV's int4 layout: two groups
-_INT4_INNER_K_TILES = 2  # the packing's tile parameter: K must be a multiple of 16 * this
 INT8_GROUP_SIZE = 32
 FP16_MAX = torch.finfo(torch.float16).max
 
@@ -98,25 +96,19 @@ def _on_grid(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
 
 @dataclass
 class Int4Weight:
-    """W ≈ (q - 8) * scale + zero per group of INT4_GROUP_SIZE inputs, q in [0, 15] (asymmetric: min..max).
-
-    The levels are held twice, in each kernel's layout: PyTorch's int4 matmul, for several rows, streams them at
-    ~5 GB/s on an AVX2 CPU (AMD Zen 3), so one row (a decode step of one sequence, where int4 is the latency option)
-    takes our GEMV's layout instead; both copies together weigh a little more than int8's one.
+    """W ≈ (q - 8) * scale + zero per group of INT4_GROUP_SIZE inputs, q in [0, 15] (asymmetric: min..max), the
+    scale and zero in the activations' dtype; the levels in our kernel's layout (`gemv_int4_layout`), which takes any
+    number of rows (kernels/gemv.cpp). PyTorch's int4 matmul, which took batches before, wanted a second copy of the
+    levels in its own packing and ran SmolLM2's batches at less than half our kernel's speed (docs/benchmarks.md).
     """
 
-    packed: torch.Tensor  # q in PyTorch's packed layout
-    scales_and_zeros: torch.Tensor  # [in / group, out, 2], in the activations' dtype
-    rows: torch.Tensor  # q in kernels/gemv.cpp's layout: [out, in / 2] bytes
-    rows_scales_and_zeros: torch.Tensor  # the same scales and zeros as [out, 2, in / group]: a row's scales, then zeros
+    q: torch.Tensor  # [out, in / 2] bytes in gemv_int4_layout
+    scales_and_zeros: torch.Tensor  # [out, 2, in / group] in the activations' dtype: a row's scales, then its zeros
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
-        """Whether both kernels take the shape: whole blocks of the GEMV's layout (whole groups, and the packing's
-        multiple of 32 inputs), outputs in sixteens."""
-        out_features, in_features = weight.shape
-        return in_features % _GEMV_INT4_BLOCK == 0 and in_features % (16 * _INT4_INNER_K_TILES) == 0 and (
-            out_features % 16 == 0)
+        """Whether the kernel takes the shape: whole blocks of its layout (two groups)."""
+        return weight.shape[1] % _GEMV_INT4_BLOCK == 0
 
     @staticmethod
     def levels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -131,22 +123,23 @@ class Int4Weight:
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Int4Weight:
         q, scales, zeros = cls.levels(weight)
-        scales_and_zeros = torch.stack([scales, zeros], dim=-1).to(weight.dtype)  # [out, in / group, 2]
-        return cls(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INT4_INNER_K_TILES),
-                   scales_and_zeros.transpose(0, 1).contiguous(), gemv_int4_layout(q),
-                   scales_and_zeros.transpose(1, 2).contiguous())
+        return cls(gemv_int4_layout(q), torch.stack([scales, zeros], dim=1).to(weight.dtype))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if gemv_takes(x):
-            return torch.ops.liteinfer.gemv(x, self.rows, self.rows_scales_and_zeros, None)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP_SIZE, self.scales_and_zeros)
+        if gemv_takes(x, any_rows=True):
+            return torch.ops.liteinfer.gemv(x, self.q, self.scales_and_zeros, None)
+        return x @ self.dequantized(x.dtype).T  # (no compiler for the kernels: the same weights, slowly)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        out_features = self.q.shape[0]
+        groups = gemv_int4_levels(self.q).view(out_features, -1, INT4_GROUP_SIZE).float()
+        scales, zeros = self.scales_and_zeros.float().unbind(1)
+        return ((groups - 8) * scales[..., None] + zeros[..., None]).view(out_features, -1).to(dtype)
 
     @classmethod
     def dequantize_float(cls, weight: torch.Tensor) -> torch.Tensor:
-        """The weight `from_float(weight)` stands for (the packed form cannot be read back)."""
-        q, scales, zeros = cls.levels(weight)
-        groups = q.view(q.shape[0], -1, INT4_GROUP_SIZE).float()
-        return ((groups - 8) * scales[..., None] + zeros[..., None]).view(q.shape)
+        """The weight `from_float(weight)` stands for."""
+        return cls.from_float(weight).dequantized(torch.float32)
 
 
 def gemv_int4_layout(q: torch.Tensor) -> torch.Tensor:
@@ -158,6 +151,14 @@ def gemv_int4_layout(q: torch.Tensor) -> torch.Tensor:
     nibbles = q.to(torch.uint8).view(out_features, in_features // _GEMV_INT4_BLOCK, 2, 2, 16)
     lane_bytes = nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)  # [out, block, byte of the lane, lane]
     return lane_bytes.transpose(-1, -2).contiguous().view(out_features, in_features // 2)
+
+
+def gemv_int4_levels(packed: torch.Tensor) -> torch.Tensor:
+    """The levels q [out, in] (uint8) that `gemv_int4_layout` packed."""
+    out_features, half = packed.shape
+    lane_bytes = packed.view(out_features, half // 32, 16, 2).transpose(-1, -2)  # [out, block, byte b, lane l]
+    nibbles = torch.stack([lane_bytes & 0xF, lane_bytes >> 4], dim=-2)  # [out, block, b, low/high h, l]
+    return nibbles.reshape(out_features, half * 2)
 
 
 QUANTIZATION_METHODS = {"int8": Int8Weight, "int4": Int4Weight}

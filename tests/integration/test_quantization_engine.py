@@ -35,10 +35,8 @@ def test_int4_engine_quantizes_every_linear_and_generates(tiny_llama_dir):
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_one_sequence_and_a_batch_compute_the_same_weights(tiny_llama_dir, method):
-    # int4: one sequence's decode steps take our GEMV's copy of the levels, a batch's PyTorch's packed copy. The GEMV
-    # rounds x to 16-bit levels (kernels/gemv.cpp), which moves this tiny model's logprobs by up to ~5e-4 (measured
-    # over 2 x 16 tokens); a misread layout moved the kernel's outputs by more than their own size. int8: one kernel
-    # for any rows, a row's result independent of the others (tests/unit/test_gemv_kernel.py).
+    # One kernel for any rows, a row's result independent of the others (tests/unit/test_gemv_kernel.py); in fp32
+    # no path depends on the batch (bf16 batches of five rows or more take AMX tiles on CPUs that have them).
     llm = LLM(str(tiny_llama_dir), dtype="float32", quantization=method)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     alone = llm.generate(PROMPTS[:1], params)[0].outputs[0]

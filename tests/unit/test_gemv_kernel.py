@@ -10,7 +10,13 @@ from torch.profiler import profile
 
 from liteinfer import kernels
 from liteinfer.layers.linear import linear
-from liteinfer.layers.quantization import INT4_GROUP_SIZE, INT8_GROUP_SIZE, Int4Weight, Int8Weight, gemv_int4_layout
+from liteinfer.layers.quantization import (
+    INT8_GROUP_SIZE,
+    Int4Weight,
+    Int8Weight,
+    gemv_int4_layout,
+    gemv_int4_levels,
+)
 
 # The kernel sums a row in four interleaved parts: sums in a different order differ by ~1e-6 in fp32 (up to 300
 # products here); rounded to bf16 they can then land one step apart, a relative 2^-8 to 2^-7 of the value.
@@ -62,7 +68,8 @@ def bf16_weight_rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.T
 
 def takes_amx(x: torch.Tensor) -> bool:
     """Whether int8 weights meet x in AMX tiles: bf16 x of 5 rows or more, on a CPU with AMX (kernels/gemv.cpp)."""
-    return x.dtype == torch.bfloat16 and x.shape[0] >= 5 and torch.ops.liteinfer.packed_linear_amx()
+    amx = hasattr(torch.ops.liteinfer, "packed_linear_amx") and torch.ops.liteinfer.packed_linear_amx()
+    return x.dtype == torch.bfloat16 and x.shape[0] >= 5 and amx
 
 
 def assert_quantized_gemv_close(out: torch.Tensor, x: torch.Tensor, dequantized: torch.Tensor,
@@ -104,15 +111,16 @@ def test_gemv_on_int8_weights_matches_fp32_arithmetic(rows, out_features, groups
     assert_int8_gemv_close(x, weight, bias)
 
 
+@pytest.mark.parametrize("weight_cls", [Int8Weight, Int4Weight])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_on_int8_weights_gives_a_row_the_same_result_beside_any_rows(dtype):
+def test_gemv_on_quantized_weights_gives_a_row_the_same_result_beside_any_rows(weight_cls, dtype):
     """Rows of x go through in tiles (of four; in AMX, of 16): a row's result must not depend on the tile it lands in
     nor on the rows beside it, so that a sequence's tokens do not depend on the batch. Alone, a row takes the integer
     form, which bf16 batches on AMX CPUs do not: there its result is the same in any batch of five rows or more."""
     assert kernels.load()
     torch.manual_seed(0)
-    weight = Int8Weight.from_float(torch.randn(40, 96).to(dtype))
-    x, others = torch.randn(7, 96).to(dtype), torch.randn(40, 96).to(dtype)
+    weight = weight_cls.from_float(torch.randn(40, 128).to(dtype))
+    x, others = torch.randn(7, 128).to(dtype), torch.randn(40, 128).to(dtype)
     def gemv(rows):
         return torch.ops.liteinfer.gemv(rows, weight.q, weight.scales_and_zeros, None)
 
@@ -123,18 +131,19 @@ def test_gemv_on_int8_weights_gives_a_row_the_same_result_beside_any_rows(dtype)
             assert torch.equal(together[r], gemv(x[r:r + 1])[0])
 
 
-@pytest.mark.parametrize(("rows", "out_features", "groups"), [(5, 40, 3), (16, 49, 48), (17, 32, 1), (33, 96, 18),
-                                                              (130, 20, 5)])
-def test_gemv_on_int8_weights_in_amx_tiles_sums_the_weights_in_bf16(rows, out_features, groups):
-    """On AMX CPUs, bf16 rows meet the weights dequantized to bf16: exactly x . bf16(q * scale + zero) summed in fp32
-    (shapes: one tile of x rows and a pair of them, a row past them, passes of 128 rows; W's rows in pairs of 16
-    and past them)."""
+@pytest.mark.parametrize("weight_cls", [Int8Weight, Int4Weight])
+@pytest.mark.parametrize(("rows", "out_features", "blocks"), [(5, 40, 2), (16, 49, 24), (17, 32, 1), (33, 96, 9),
+                                                              (130, 20, 3)])
+def test_gemv_on_quantized_weights_in_amx_tiles_sums_the_weights_in_bf16(weight_cls, rows, out_features, blocks):
+    """On AMX CPUs, bf16 rows meet the weights dequantized to bf16: exactly x . bf16(W) summed in fp32 (shapes: one
+    tile of x rows and a pair of them, a row past them, passes of 128 rows; W's rows in pairs of 16 and past them;
+    blocks of 64 inputs)."""
     assert kernels.load()
     torch.manual_seed(0)
-    x = torch.randn(rows, groups * INT8_GROUP_SIZE).bfloat16()
+    x = torch.randn(rows, blocks * 64).bfloat16()
     if not takes_amx(x):
         pytest.skip("this CPU has no AMX")
-    weight = Int8Weight.from_float(torch.randn(out_features, x.shape[1]).bfloat16())
+    weight = weight_cls.from_float(torch.randn(out_features, x.shape[1]).bfloat16())
     bias = torch.randn(out_features).bfloat16()
     out = torch.ops.liteinfer.gemv(x, weight.q, weight.scales_and_zeros, bias)
     expected = F.linear(x.float(), weight.dequantized(torch.float32).bfloat16().float(), bias.float())
@@ -158,34 +167,34 @@ def test_gemv_on_int8_weights_rounds_x_per_group(dtype):
     assert_int8_gemv_close(x.to(dtype), Int8Weight.from_float(weight.to(dtype)))
 
 
-def int4_dequantized(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """(q - 8) * scale + zero per group, in fp32, from the scales and zeros as the kernel reads them."""
-    groups = q.view(q.shape[0], -1, INT4_GROUP_SIZE).float()
-    scale, zero = scales_and_zeros.float().unbind(1)
-    return ((groups - 8) * scale[..., None] + zero[..., None]).view(q.shape)
-
-
 @settings(max_examples=40, deadline=None)
 @given(
+    rows=st.integers(1, 9),  # one row, tiles of four rows of x with a remainder, and AMX's rows from five
     out_features=st.integers(1, 40),
     blocks=st.integers(1, 12),  # of the layout's 64 inputs: two groups each (past a chunk of 16 groups)
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     with_bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_gemv_on_int4_weights_matches_fp32_arithmetic(out_features, blocks, dtype, with_bias, seed):
+def test_gemv_on_int4_weights_matches_fp32_arithmetic(rows, out_features, blocks, dtype, with_bias, seed):
     assert kernels.load()
     gen = torch.Generator().manual_seed(seed)
-    in_features = blocks * 64
-    x = torch.randn(1, in_features, generator=gen).to(dtype)
-    q, scales, zeros = Int4Weight.levels(torch.randn(out_features, in_features, generator=gen).to(dtype))
-    scales_and_zeros = torch.stack([scales, zeros], dim=1).to(dtype)
+    x = torch.randn(rows, blocks * 64, generator=gen).to(dtype)
+    weight = Int4Weight.from_float(torch.randn(out_features, x.shape[1], generator=gen).to(dtype))
     bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
 
-    out = torch.ops.liteinfer.gemv(x, gemv_int4_layout(q), scales_and_zeros, bias)
+    out = torch.ops.liteinfer.gemv(x, weight.q, weight.scales_and_zeros, bias)
 
     # The kernel sums s (q · x) + (z - 8 s) (sum of x) per group: the same value, regrouped.
-    assert_quantized_gemv_close(out, x, int4_dequantized(q, scales_and_zeros), bias, {"atol": 1e-4, "rtol": 1e-5})
+    assert_quantized_gemv_close(out, x, weight.dequantized(torch.float32), bias, {"atol": 1e-4, "rtol": 1e-5})
+
+
+def test_gemv_int4_layout_is_undone_by_gemv_int4_levels():
+    q = torch.randint(0, 16, (5, 3 * 64), dtype=torch.int32)
+    packed = gemv_int4_layout(q)
+    assert packed.shape == (5, 3 * 32) and torch.equal(gemv_int4_levels(packed), q.to(torch.uint8))
+    # byte 2 l + b of a block: inputs 32 b + l (low nibble) and 32 b + 16 + l (high)
+    assert packed[0, 2 * 3 + 1] == q[0, 32 + 3] | (q[0, 32 + 16 + 3] << 4)
 
 
 def test_gemv_refuses_mismatched_inputs():
@@ -193,9 +202,9 @@ def test_gemv_refuses_mismatched_inputs():
     gemv = torch.ops.liteinfer.gemv
     weight, x = torch.zeros(4, 32), torch.zeros(1, 32)
     int8, int8_scales = torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 2, 1, dtype=torch.half)
-    with pytest.raises(RuntimeError, match=r"x \[1, in\] \(int8: \[rows, in\]\) and weight \[out, in\]"):
+    with pytest.raises(RuntimeError, match=r"x \[1, in\] \(quantized weights: \[rows, in\]\) and weight \[out, in\]"):
         gemv(torch.zeros(2, 32), weight, None, None)
-    with pytest.raises(RuntimeError, match=r"x \[1, in\] \(int8: \[rows, in\]\) and weight \[out, in\]"):
+    with pytest.raises(RuntimeError, match=r"x \[1, in\] \(quantized weights: \[rows, in\]\) and weight \[out, in\]"):
         gemv(torch.zeros(1, 31), weight, None, None)
     with pytest.raises(RuntimeError, match="contiguous"):
         gemv(x, torch.zeros(32, 4).t(), None, None)
@@ -208,7 +217,7 @@ def test_gemv_refuses_mismatched_inputs():
     with pytest.raises(RuntimeError, match=r"must be \[out\]"):
         gemv(x, weight, None, torch.zeros(3))
     gemv(torch.zeros(3, 32), int8, int8_scales, None)  # int8 takes several rows
-    with pytest.raises(RuntimeError, match=r"x \[1, in\] \(int8: \[rows, in\]\)"):
+    with pytest.raises(RuntimeError, match=r"x \[1, in\] \(quantized weights: \[rows, in\]\)"):
         gemv(torch.zeros(0, 32), int8, int8_scales, None)
     with pytest.raises(RuntimeError, match="groups of 32"):
         gemv(torch.zeros(1, 16), torch.zeros(4, 16, dtype=torch.int8), int8_scales, None)
@@ -216,11 +225,9 @@ def test_gemv_refuses_mismatched_inputs():
         with pytest.raises(RuntimeError, match=r"\[out, 2, in / 32\] scales and zeros, in fp16"):
             gemv(x, int8, scales, None)
     int4, int4_scales = torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 2, 2)
-    gemv(torch.zeros(1, 64), int4, int4_scales, None)  # [out, in / 2] bytes against x [1, in]
-    with pytest.raises(RuntimeError, match=r"x \[1, in\] \(int8: \[rows, in\]\) and weight \[out, in\]"):
+    gemv(torch.zeros(3, 64), int4, int4_scales, None)  # [out, in / 2] bytes against x [rows, in]
+    with pytest.raises(RuntimeError, match=r"x \[1, in\] \(quantized weights: \[rows, in\]\) and weight \[out, in\]"):
         gemv(torch.zeros(1, 32), int4, int4_scales, None)
-    with pytest.raises(RuntimeError, match=r"x \[1, in\] \(int8: \[rows, in\]\) and weight \[out, in\]"):
-        gemv(torch.zeros(2, 64), int4, int4_scales, None)
     with pytest.raises(RuntimeError, match="blocks of 64"):
         gemv(torch.zeros(1, 32), torch.zeros(4, 16, dtype=torch.uint8), int4_scales, None)
     for scales in (None, torch.ones(4, 2, 1), torch.ones(4, 2), int4_scales.bfloat16()):  # missing, a group per
@@ -249,24 +256,12 @@ def test_linear_takes_the_kernel_for_one_row_only(dtype):
 
 
 
-def test_int8_weight_takes_the_kernel_for_any_rows():
-    assert kernels.load()
-    int8 = Int8Weight.from_float(torch.randn(16, 32))
-    for rows in (1, 3):
-        x = torch.randn(rows, 32)
-        assert "liteinfer::gemv" in ops_run(lambda x=x: int8(x))
-        assert_quantized_gemv_close(int8(x), x, int8.dequantized(torch.float32), None, FP32_REORDERED)
-
-
-def test_int4_weight_holds_the_same_weight_for_one_row_and_for_several():
+@pytest.mark.parametrize("weight_cls", [Int8Weight, Int4Weight])
+def test_quantized_weights_take_the_kernel_for_any_rows(weight_cls):
     assert kernels.load()
     torch.manual_seed(0)
-    weight = torch.randn(32, 3 * 64) * 0.05
-    int4 = Int4Weight.from_float(weight)
-    one_row, rows = torch.randn(1, weight.shape[1]), torch.randn(3, weight.shape[1])
-
-    assert "liteinfer::gemv" in ops_run(lambda: int4(one_row))  # our layout
-    assert "liteinfer::gemv" not in ops_run(lambda: int4(rows))  # PyTorch's
-    torch.testing.assert_close(int4(one_row), int4(torch.cat([one_row, rows]))[:1], atol=1e-4, rtol=1e-5)
-    expected = one_row @ Int4Weight.dequantize_float(weight).T
-    torch.testing.assert_close(int4(one_row), expected, atol=1e-4, rtol=1e-5)
+    weight = weight_cls.from_float(torch.randn(16, 64))
+    for rows in (1, 3):
+        x = torch.randn(rows, 64)
+        assert "liteinfer::gemv" in ops_run(lambda x=x: weight(x))
+        assert_quantized_gemv_close(weight(x), x, weight.dequantized(torch.float32), None, {"atol": 1e-4, "rtol": 1e-5})

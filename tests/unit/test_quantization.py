@@ -84,8 +84,8 @@ def test_int8_keeps_a_group_of_equal_values_and_refuses_values_beyond_fp16():
 
 
 def test_quantize_linears_replaces_float_weights_and_skips_unfit_shapes():
-    # 48 inputs: no whole int4 group; 24 outputs: not in sixteens
-    model = torch.nn.Sequential(Linear(128, 64, bias=True), Linear(48, 64), Linear(64, 24))
+    # 48 and 96 inputs: not whole blocks of int4's 64
+    model = torch.nn.Sequential(Linear(128, 64, bias=True), Linear(48, 64), Linear(96, 24))
     for module in model:
         module.weight.data.normal_(0, 0.05)
         if module.bias is not None:
@@ -98,7 +98,7 @@ def test_quantize_linears_replaces_float_weights_and_skips_unfit_shapes():
     got = model[0](x)  # the bias is still added
     assert (got - expected).abs().max() < 0.1 * expected.abs().max()
     # int8 takes inputs in groups of 32 and any number of outputs: 48 inputs stay in floats
-    model = torch.nn.Sequential(Linear(128, 64), Linear(48, 64), Linear(64, 24))
+    model = torch.nn.Sequential(Linear(128, 64), Linear(48, 64), Linear(96, 24))
     for module in model:
         module.weight.data.normal_(0, 0.05)
     assert quantize_linears(model, "int8") == 2 and model[1].quantized is None
