@@ -21,6 +21,15 @@ def test_quantized_matmul_equals_matmul_with_dequantized_weight(weight_cls, dtyp
     torch.testing.assert_close(quantized(x).float(), expected, atol=tolerance, rtol=0)
 
 
+@pytest.mark.parametrize("weight_cls", [Int8Weight, Int4Weight])
+def test_quantized_weights_without_the_kernels_multiply_their_dequantized_form(weight_cls, weight, monkeypatch):
+    # (no compiler to build kernels/gemv.cpp: the same weights through a float matmul)
+    monkeypatch.setattr("liteinfer.layers.quantization.gemv_takes", lambda x, any_rows=False: False)
+    quantized = weight_cls.from_float(weight)
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(quantized(x), x @ weight_cls.dequantize_float(weight).T)
+
+
 def test_int4_error_is_within_half_a_step(weight):
     dequantized = Int4Weight.dequantize_float(weight)
     groups = weight.view(weight.shape[0], -1, INT4_GROUP_SIZE)
