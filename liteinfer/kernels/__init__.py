@@ -45,13 +45,15 @@ tiles take subnormal bf16 inputs as zero).
 
 `gemv(x [1, in], weight [out, in] contiguous, scales_and_zeros or None, bias [out] or None)` -> [1, out] =
 x W^T (+ bias), summed in fp32, in x's dtype (fp32 or bf16): a float weight W is in x's dtype and takes no scales;
-an int8 weight takes x [rows, in] (any number of rows: a row's result does not depend on the others) and
-scales_and_zeros [out, 2, in / 32] fp16 holding each row's scales and then its zeros, one per group of 32 inputs,
-W being level * scale + zero (layers/quantization.py's int8); an int4 weight is [out, in / 2] uint8 in
+a quantized weight takes x [rows, in] (any number of rows: a row's result does not depend on the others). An int8
+weight takes scales_and_zeros [out, 2, in / 32] fp16 holding each row's scales and then its zeros, one per group of
+32 inputs, W being level * scale + zero (layers/quantization.py's int8); an int4 weight is [out, in / 2] uint8 in
 `layers/quantization.py: gemv_int4_layout` (blocks of 64 inputs) and takes scales_and_zeros [out, 2, in / 32] in
 x's dtype (a row's scales, then its zeros, one per group of 32 inputs), W being (level - 8) * scale + zero. On x86
 CPUs with AVX2, int8 and int4 weights are multiplied in integers against x rounded to 16-bit levels per group of 64
-inputs (each input off by at most half of its group's largest |x| / 32767).
+inputs (each input off by at most half of its group's largest |x| / 32767); on CPUs with AMX, bf16 x of five rows or
+more meets them dequantized to bf16 in AMX tiles instead (the weights off by at most half a bf16 step, as the bf16
+model's own are), so that a row alone and the same row in such a batch can differ by that rounding.
 
 `argmax(logits [rows, vocab] fp32 or bf16)` -> [rows] int64: the first index of each row's largest value, as
 `torch.argmax` gives it, except that NaN is skipped rather than taken as the largest.

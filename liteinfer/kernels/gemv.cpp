@@ -1,6 +1,6 @@
 // y = x W^T (+ b) for a single row x: the only product a decode step of one sequence has. W is float (fp32 or
 // bf16, as x), or int8 or int4 with a scale and a zero per group of inputs (layers/quantization.py's int8 and int4).
-// int8 weights take any number of rows, as their only kernel for batches too (below). Registered (CPU) as
+// Quantized weights take any number of rows, as their only kernel for batches too (below). Registered (CPU) as
 // torch.ops.liteinfer.gemv; liteinfer/kernels/__init__.py builds it and gives its contract.
 //
 // At one row a linear layer is a stream through W, bound by memory bandwidth. oneDNN's prepacked matmul reached
@@ -516,8 +516,8 @@ struct Int8Rows {
   }
 #if defined(__AVX512F__)
   __m512i levels(int64_t row, int64_t g, int half) const {
-    const int8_t* levels = w + row * k + g * kInt8Group + 16 * half;
-    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(levels)));
+    const int8_t* q = w + row * k + g * kInt8Group + 16 * half;
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
   }
 #endif
 };

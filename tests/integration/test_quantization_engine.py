@@ -75,6 +75,6 @@ def test_smollm2_quantized_agrees_with_fp32_as_closely_as_bf16_does(method):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_smollm2_quantized_in_bf16_answers(method):
-    # bf16 prompts take other kernels than fp32's (int8: AMX tiles where the CPU has them; int4: PyTorch's).
+    # bf16 prompts take another path than fp32's where the CPU has AMX (the weights dequantized to bf16 in tiles).
     quantized = LLM(**BUDGET, dtype="bfloat16", quantization=method).chat(CONVERSATIONS[:1], PARAMS)[0]
     assert "Paris" in quantized.outputs[0].text

@@ -1,5 +1,5 @@
-"""The one-row matmul kernel (liteinfer/kernels/gemv.cpp; int8 weights at any number of rows) against the same
-arithmetic in fp32, and `linear` / the int8 and int4 weights taking it on CPU."""
+"""The one-row matmul kernel (liteinfer/kernels/gemv.cpp; int8 and int4 weights at any number of rows) against the
+same arithmetic in fp32, and `linear` / the int8 and int4 weights taking it on CPU."""
 
 import pytest
 import torch
