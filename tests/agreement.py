@@ -2,6 +2,8 @@
 generated before the first divergence, and where each divergence falls on the reference's logits. Rounding alone
 flips a model's near-ties, so such options are held to near-ties, not to identity."""
 
+import functools
+
 from liteinfer import LLM, SamplingParams
 
 CHAT_QUESTIONS = ["What is the capital of France?", "Write a haiku about the ocean.", "What is 12 times 7?",
@@ -43,13 +45,19 @@ def departure_gaps(reference: LLM, prompts: list[list[int]], reference_tokens: l
     return gaps
 
 
+@functools.cache
+def references() -> tuple[LLM, list[list[int]], list[list[int]]]:
+    """The plain fp32 engine, its tokens for CONVERSATIONS and bf16's: made once a session, for every agreement test
+    (each engine's load and run takes tens of seconds)."""
+    reference = LLM(**BUDGET, dtype="float32")
+    return reference, chat_tokens(reference), chat_tokens(LLM(**BUDGET, dtype="bfloat16"))
+
+
 def assert_agrees_with_fp32_as_closely_as_bf16(candidate: list[list[int]], label: str, near_tie: float) -> int:
     """`candidate`: a lossy option's tokens for CONVERSATIONS under PARAMS. It must keep at least half of bf16's
     agreement with the plain fp32 engine (tokens before the first divergence), each of its first divergences at a
     near-tie of the fp32 logits (a gap under `near_tie`). Returns how many prompts it kept identical."""
-    reference = LLM(**BUDGET, dtype="float32")
-    fp32 = chat_tokens(reference)
-    bf16 = chat_tokens(LLM(**BUDGET, dtype="bfloat16"))
+    reference, fp32, bf16 = references()
     matched, bf16_matched = tokens_matched(fp32, candidate), tokens_matched(fp32, bf16)
     identical = sum(first_divergence(s, t) is None for s, t in zip(fp32, candidate))
     print(f"tokens before the first divergence from fp32 (of {sum(map(len, fp32))}): {label} {matched} ({identical} "
