@@ -99,8 +99,8 @@ class Int4Weight:
     """W ≈ (q - 8) * scale + zero per group of INT4_GROUP_SIZE inputs, q in [0, 15] (asymmetric: min..max), the
     scale and zero in the activations' dtype; the levels in our kernel's layout (`gemv_int4_layout`), which takes any
     number of rows (kernels/gemv.cpp). PyTorch's int4 matmul, which took batches before, wanted a second copy of the
-    levels in its own packing; on SmolLM2 it ran fp32 batches ~35x and bf16 batches on an AMX CPU 3-6x slower than
-    ours, bf16 batches without AMX ~1.5x faster (docs/benchmarks.md).
+    levels in its own packing; on SmolLM2 it ran fp32 batches 30-50x and bf16 batches on an AMX CPU 1.1-6x slower
+    than ours, bf16 batches without AMX 1.4-1.6x faster (docs/benchmarks.md).
     """
 
     q: torch.Tensor  # [out, in / 2] bytes in gemv_int4_layout
