@@ -262,14 +262,7 @@ struct Int8Vectors {
   static Levels load(const int8_t* w) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
   }
-  static Float dot(Levels w, const int16_t* x) {
-    const __m512i xv = _mm512_loadu_si512(x);
-#if defined(__AVX512VNNI__)
-    return _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w, xv));
-#else
-    return _mm512_cvtepi32_ps(_mm512_madd_epi16(w, xv));
-#endif
-  }
+  static Float dot(Levels w, const int16_t* x) { return _mm512_cvtepi32_ps(dot_pairs(_mm512_setzero_si512(), w, x)); }
   template <typename T>
   static Float widen(const T* v, int64_t count) {
     const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
@@ -645,7 +638,7 @@ void amx_dequantize(const Weights& weights, int64_t row0, int64_t n, c10::BFloat
 // y [rows of x, n] for the 2 x XT tiles of sums: 32 rows of W (from row0) by XT tiles of 16 rows of x (from r0).
 template <int XT>
 void amx_pass(const c10::BFloat16* weights, const int32_t* x_pairs, int64_t groups, const c10::BFloat16* bias,
-                   c10::BFloat16* y, int64_t row0, int64_t r0, int64_t m, int64_t n) {
+              c10::BFloat16* y, int64_t row0, int64_t r0, int64_t m, int64_t n) {
   constexpr int64_t tile_bytes = 64, tile_elems = kAmxBlock * kInt8Group;
   const int64_t x_tile = groups * tile_elems / 2;  // int32 pairs per 16 rows of x
   _tile_zero(0);
@@ -679,12 +672,10 @@ void amx_pass(const c10::BFloat16* weights, const int32_t* x_pairs, int64_t grou
       for (int b = 0; b < 2; ++b) {
         const int64_t out0 = row0 + b * kAmxBlock;
         if (out0 >= n) continue;
-        const __mmask16 valid = static_cast<__mmask16>((1u << std::min(kAmxBlock, n - out0)) - 1);
+        const int64_t outputs = std::min(kAmxBlock, n - out0);
+        const __mmask16 valid = static_cast<__mmask16>((1u << outputs) - 1);
         __m512 v = _mm512_i32gather_ps(column, &sums[2 * t + b][0][r], 4);
-        if (bias) {
-          const __m256i bits = _mm256_maskz_loadu_epi16(valid, bias + out0);
-          v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
-        }
+        if (bias) v = _mm512_add_ps(v, Int8Vectors::widen(bias + out0, outputs));
         _mm256_mask_storeu_epi16(y + (r0 + t * kAmxBlock + r) * n + out0, valid, (__m256i)_mm512_cvtneps_pbh(v));
       }
 }

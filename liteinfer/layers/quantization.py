@@ -73,14 +73,21 @@ class Int8Weight:
         return x @ self.dequantized(x.dtype).T  # (no compiler for the kernels: the same weights, slowly)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        groups = self.q.view(self.q.shape[0], -1, INT8_GROUP_SIZE).float()
-        scales, zeros = self.scales_and_zeros.float().unbind(1)
-        return (groups * scales[..., None] + zeros[..., None]).view(self.q.shape).to(dtype)
+        return _dequantized(self.q.float(), self.scales_and_zeros, dtype)
 
     @classmethod
     def dequantize_float(cls, weight: torch.Tensor) -> torch.Tensor:
         """The weight `from_float(weight)` stands for."""
         return cls.from_float(weight).dequantized(torch.float32)
+
+
+def _dequantized(levels: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """levels [out, in] (floats) * scale + zero per group, from scales_and_zeros [out, 2, groups] as both quantized
+    forms hold them (a row's scales, then its zeros), in fp32, then in `dtype`."""
+    out_features, in_features = levels.shape
+    scales, zeros = scales_and_zeros.float().unbind(1)
+    groups = levels.view(out_features, scales.shape[1], -1)
+    return (groups * scales[..., None] + zeros[..., None]).view(out_features, in_features).to(dtype)
 
 
 def _on_grid(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
@@ -132,10 +139,7 @@ class Int4Weight:
         return x @ self.dequantized(x.dtype).T  # (no compiler for the kernels: the same weights, slowly)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        out_features = self.q.shape[0]
-        groups = gemv_int4_levels(self.q).view(out_features, -1, INT4_GROUP_SIZE).float()
-        scales, zeros = self.scales_and_zeros.float().unbind(1)
-        return ((groups - 8) * scales[..., None] + zeros[..., None]).view(out_features, -1).to(dtype)
+        return _dequantized(gemv_int4_levels(self.q).float() - 8, self.scales_and_zeros, dtype)
 
     @classmethod
     def dequantize_float(cls, weight: torch.Tensor) -> torch.Tensor:
