@@ -1,8 +1,8 @@
 """Kernels of our own, in C++, for what PyTorch has no fast op for on CPU: decode attention that reads the paged KV
-pool in place, float linears on weights packed for them, the matmul of int8 weights (at any number of rows) and the
-one-row matmul of int4 weights (and of float ones where the packed kernel is not built), the greedy argmax of a
-step's logits, and a decoder layer's per-token operations (RMSNorm, rotary, gated activation, the K/V cache write) in
-one pass each for the steps that run eagerly (the gated activation in compiled graphs too).
+pool in place, float linears on weights packed for them, the matmul of int8 and int4 weights (at any number of rows)
+and the one-row matmul of float ones, the greedy argmax of a step's logits, and a decoder layer's per-token
+operations (RMSNorm, rotary, gated activation, the K/V cache write) in one pass each for the steps that run eagerly
+(the gated activation in compiled graphs too).
 
 Contract: `load()` compiles the sources next to this file with the machine's C++ compiler (torch's extension
 builder; the first time only, then cached under TORCH_EXTENSIONS_DIR, one build per CPU, Python and torch, since
@@ -51,9 +51,13 @@ weight takes scales_and_zeros [out, 2, in / 32] fp16 holding each row's scales a
 `layers/quantization.py: gemv_int4_layout` (blocks of 64 inputs) and takes scales_and_zeros [out, 2, in / 32] in
 x's dtype (a row's scales, then its zeros, one per group of 32 inputs), W being (level - 8) * scale + zero. On x86
 CPUs with AVX2, int8 and int4 weights are multiplied in integers against x rounded to 16-bit levels per group of 64
-inputs (each input off by at most half of its group's largest |x| / 32767); on CPUs with AMX, bf16 x of five rows or
-more meets them dequantized to bf16 in AMX tiles instead (the weights off by at most half a bf16 step, as the bf16
-model's own are), so that a row alone and the same row in such a batch can differ by that rounding.
+inputs (each input off by at most half of its group's largest |x| / 32767). Batches meet them dequantized instead:
+on CPUs with AMX, bf16 x of five rows or more in AMX tiles; on CPUs with AVX-512 BF16, where the output count is a
+multiple of 16, fp32 x of six rows or more (and bf16 x of twelve where AMX does not take it) in the packed linears'
+tiles. Dequantized, fp32 meets the weights exactly and bf16 meets them rounded to bf16 (off by at most half a bf16
+step, as the bf16 model's own are), so that a row alone and the same row in such a batch can differ by that
+rounding. `gemv_quantized_form(dtype, rows, outputs)` -> "integer", "amx" or "dequantized" names the form a shape
+takes.
 
 `argmax(logits [rows, vocab] fp32 or bf16)` -> [rows] int64: the first index of each row's largest value, as
 `torch.argmax` gives it, except that NaN is skipped rather than taken as the largest.

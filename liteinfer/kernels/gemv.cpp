@@ -15,10 +15,12 @@
 #endif
 
 #include "amx.h"
+#include "packed_tile.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -574,6 +576,34 @@ void quantized_rows(const Weights& weights, const std::vector<RowInputs>& x, con
   }
 }
 
+// A buffer of at least `count` T for this thread, kept between calls (zeroing one each call cost more than the AMX
+// tiles), on a cache line's boundary: each 64-byte store into it then writes one whole line, not parts of two.
+template <typename T>
+T* thread_buffer(size_t count) {
+  thread_local std::vector<T> buffer;
+  buffer.resize(std::max(buffer.size(), count + 64 / sizeof(T)));
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+}
+
+#if defined(__AVX512F__) && defined(LITEINFER_GEMV_INT16_INPUTS)
+// A row's factors for up to 16 groups from g0, for the paths that dequantize W (below): the weight is q s + z, z
+// being the group's zero plus the levels' offset times s (both zero past `count`).
+template <typename Weights>
+inline void dequantizing_factors(const Weights& weights, int64_t row, int64_t g0, int64_t count, float* s, float* z) {
+  const typename Weights::scale_t* scales = weights.scales(row);
+  const __m512 scale = Int8Vectors::widen(scales + g0, count);
+  _mm512_storeu_ps(s, scale);
+  _mm512_storeu_ps(z, _mm512_fmadd_ps(scale, _mm512_set1_ps(Weights::offset),
+                                      Int8Vectors::widen(scales + weights.groups() + g0, count)));
+}
+
+// 16 weights of a row in fp32, from input 16 * half of group g, at the group's factors s and z.
+template <typename Weights>
+inline __m512 dequantized16(const Weights& weights, int64_t row, int64_t g, int half, float s, float z) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(weights.levels(row, g, half)), _mm512_set1_ps(s), _mm512_set1_ps(z));
+}
+#endif
+
 #if defined(LITEINFER_AMX) && defined(LITEINFER_GEMV_INT16_INPUTS) && defined(__AVX512BF16__)
 #define LITEINFER_GEMV_AMX
 // bf16 rows of x against int8 or int4 weights, on CPUs with AMX, from kAmxMinRows rows up: each thread dequantizes
@@ -616,20 +646,14 @@ void amx_dequantize(const Weights& weights, int64_t row0, int64_t n, c10::BFloat
       for (int64_t g = 0; g < groups; ++g) _mm512_storeu_si512(tile_row + g * tile, _mm512_setzero_si512());
       continue;
     }
-    const typename Weights::scale_t* scales = weights.scales(row);
     for (int64_t g0 = 0; g0 < groups; g0 += 16) {
       const int64_t count = std::min<int64_t>(16, groups - g0);
-      alignas(64) float s[16], z[16];  // the weight: q s + (z + offset s)
-      const __m512 scale = Int8Vectors::widen(scales + g0, count);
-      _mm512_store_ps(s, scale);
-      _mm512_store_ps(z, _mm512_fmadd_ps(scale, _mm512_set1_ps(Weights::offset),
-                                         Int8Vectors::widen(scales + groups + g0, count)));
+      alignas(64) float s[16], z[16];
+      dequantizing_factors(weights, row, g0, count, s, z);
       for (int64_t j = 0; j < count; ++j) {
-        auto dequantized = [&](int half) {  // 16 weights, from input 16 * half of the group
-          const __m512 levels = _mm512_cvtepi32_ps(weights.levels(row, g0 + j, half));
-          return _mm512_fmadd_ps(levels, _mm512_set1_ps(s[j]), _mm512_set1_ps(z[j]));
-        };
-        _mm512_storeu_si512(tile_row + (g0 + j) * tile, (__m512i)_mm512_cvtne2ps_pbh(dequantized(1), dequantized(0)));
+        const __m512 first = dequantized16(weights, row, g0 + j, 0, s[j], z[j]),
+                     second = dequantized16(weights, row, g0 + j, 1, s[j], z[j]);
+        _mm512_storeu_si512(tile_row + (g0 + j) * tile, (__m512i)_mm512_cvtne2ps_pbh(second, first));
       }
     }
   }
@@ -690,17 +714,16 @@ void amx_rows(const Weights& weights, const c10::BFloat16* x, const c10::BFloat1
     at::parallel_for(0, row_pairs, 1, [&](int64_t begin, int64_t end) {
       const liteinfer::TileConfig config(8);
       _tile_loadconfig(&config);
-      thread_local std::vector<c10::BFloat16> dequantized;  // (kept: zeroing it each call cost more than the tiles)
-      dequantized.resize(std::max<size_t>(dequantized.size(), 2 * kAmxBlock * k));
+      c10::BFloat16* dequantized = thread_buffer<c10::BFloat16>(2 * kAmxBlock * k);
       for (int64_t pair = begin; pair < end; ++pair) {
         const int64_t row0 = pair * 2 * kAmxBlock;
-        amx_dequantize(weights, row0, n, dequantized.data());
+        amx_dequantize(weights, row0, n, dequantized);
         for (int64_t r0 = m0; r0 < m_end; r0 += 2 * kAmxBlock) {
           const int32_t* tiles = x_pairs.data() + (r0 - m0) / kAmxBlock * groups * kAmxBlock * kAmxBlock;
           if (m_end - r0 > kAmxBlock)
-            amx_pass<2>(dequantized.data(), tiles, groups, bias, y, row0, r0, m_end, n);
+            amx_pass<2>(dequantized, tiles, groups, bias, y, row0, r0, m_end, n);
           else
-            amx_pass<1>(dequantized.data(), tiles, groups, bias, y, row0, r0, m_end, n);
+            amx_pass<1>(dequantized, tiles, groups, bias, y, row0, r0, m_end, n);
         }
       }
       _tile_release();
@@ -708,6 +731,123 @@ void amx_rows(const Weights& weights, const c10::BFloat16* x, const c10::BFloat1
   }
 }
 #endif
+
+#if defined(LITEINFER_PACKED_AVX512) && defined(LITEINFER_GEMV_INT16_INPUTS)
+#define LITEINFER_GEMV_DEQUANTIZED
+// fp32 rows of x, and bf16 rows where AMX does not take them, against int8 or int4 weights with whole blocks of 16
+// outputs, from kDequantizedMinRows rows up: each thread dequantizes a group of 48 rows of W (three blocks of 16,
+// kernels/packed_tile.h) at a time into the packed linears' layout, in x's dtype, into a buffer in L2, and runs every
+// row of x through the packed linears' tiles over it. The integer form spends three operations per 32 inputs of each
+// row of x (products, conversion, scaling); a packed tile one vdpbf16ps (bf16) or two FMAs (fp32), once W is
+// dequantized, which costs a few rows' worth. fp32 then meets the weights exactly as q s + z; bf16 rounds them to
+// bf16, the model's own precision in bf16, as the AMX tiles do. The row counts from which this ran faster than the
+// integer form on the Intel Xeon (bf16: with AMX left out of the build, as AMD's AVX-512 CPUs have none; their
+// vdpbf16ps may run faster relative to fp32's FMAs than the Xeon's did, not measured there).
+template <typename T>
+constexpr int64_t kDequantizedMinRows = std::is_same_v<T, float> ? 6 : 12;
+
+// v[i]'s lane j and v[j]'s lane i swapped for all i, j: 16 rows of 16 32-bit lanes into 16 columns.
+inline void transpose16(__m512 v[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved, within each 128-bit lane
+    t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // fours of rows: u[i + c] holds column c of each 128-bit lane's four
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]), c = _mm512_castps_pd(t[i + 2]),
+                  d = _mm512_castps_pd(t[i + 3]);
+    v[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    v[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    v[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    v[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4 L + c: 128-bit lane L of the four fours, in row order
+    const __m512 low01 = _mm512_shuffle_f32x4(v[c], v[4 + c], 0x44),
+                 high01 = _mm512_shuffle_f32x4(v[c], v[4 + c], 0xEE),
+                 low23 = _mm512_shuffle_f32x4(v[8 + c], v[12 + c], 0x44),
+                 high23 = _mm512_shuffle_f32x4(v[8 + c], v[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_f32x4(low01, low23, 0x88);
+    t[4 + c] = _mm512_shuffle_f32x4(low01, low23, 0xDD);
+    t[8 + c] = _mm512_shuffle_f32x4(high01, high23, 0x88);
+    t[12 + c] = _mm512_shuffle_f32x4(high01, high23, 0xDD);
+  }
+  std::copy_n(t, 16, v);
+}
+
+// Rows [row0, row0 + 16 * blocks) of W in T, in the packed layout: for each step (fp32: an input; bf16: a pair of
+// inputs), each block's 16 rows side by side. 16 rows by 16 inputs at a time, dequantized, then transposed.
+template <typename T, typename Weights>
+void dequantize_packed(const Weights& weights, int64_t row0, int64_t blocks, T* out) {
+  const int64_t groups = weights.groups();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t first = row0 + b * 16;
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const int64_t count = std::min<int64_t>(16, groups - g0);
+      alignas(64) float s[16][16], z[16][16];  // [row][group]
+      for (int r = 0; r < 16; ++r) dequantizing_factors(weights, first + r, g0, count, s[r], z[r]);
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t g = g0 + j;
+        auto dequantized = [&](int r, int half) {
+          return dequantized16(weights, first + r, g, half, s[r][j], z[r][j]);
+        };
+        __m512 v[16];
+        if constexpr (std::is_same_v<T, float>) {
+          for (int half = 0; half < 2; ++half) {
+            for (int r = 0; r < 16; ++r) v[r] = dequantized(r, half);
+            transpose16(v);
+            for (int i = 0; i < 16; ++i)
+              _mm512_storeu_ps(out + ((g * kInt8Group + 16 * half + i) * blocks + b) * 16, v[i]);
+          }
+        } else {  // a row's 32 inputs as 16 pairs, a pair a 32-bit lane
+          for (int r = 0; r < 16; ++r) v[r] = (__m512)_mm512_cvtne2ps_pbh(dequantized(r, 1), dequantized(r, 0));
+          transpose16(v);
+          for (int p = 0; p < 16; ++p) _mm512_storeu_ps(out + ((g * kInt8Group / 2 + p) * blocks + b) * 32, v[p]);
+        }
+      }
+    }
+  }
+}
+
+// y [m, n]: each thread takes a contiguous share of W's groups of 48 rows, dequantizes each once, and runs every row
+// of x over it, ROWS rows a tile (x from L2 or L3; the group, 48 x k in T, stays in L2).
+template <typename Weights, typename T>
+void dequantized_rows(const Weights& weights, const T* x, const T* bias, T* y, int64_t m, int64_t n) {
+  using liteinfer::packed::BLOCKS, liteinfer::packed::ROWS;
+  const int64_t k = weights.k, blocks = n / 16, row_groups = (blocks + BLOCKS - 1) / BLOCKS;
+  at::parallel_for(0, row_groups, 1, [&](int64_t begin, int64_t end) {
+    T* dequantized = thread_buffer<T>(BLOCKS * 16 * k);
+    for (int64_t group = begin; group < end; ++group) {
+      const int64_t b0 = group * BLOCKS, nb = std::min(BLOCKS, blocks - b0);
+      dequantize_packed(weights, b0 * 16, nb, dequantized);
+      for (int64_t r0 = 0; r0 < m; r0 += ROWS)
+        liteinfer::packed::tile_for<T>(nb, std::min<int64_t>(ROWS, m - r0))(
+            x + r0 * k, k, dequantized, bias ? bias + b0 * 16 : nullptr, y + r0 * n + b0 * 16, n,
+            liteinfer::packed::Prefetch{nullptr, 0});
+    }
+  });
+}
+#endif
+
+// Which form multiplies quantized weights with n outputs against m rows of x in `dtype`: the integer form (any
+// CPU, any shape), AMX's tiles or the packed tiles over dequantized rows (above).
+enum class QuantizedForm { integer, amx, dequantized };
+
+QuantizedForm quantized_form(at::ScalarType dtype, int64_t m, int64_t n) {
+#if defined(LITEINFER_GEMV_AMX)
+  if (dtype == at::kBFloat16 && m >= kAmxMinRows && liteinfer::amx_permitted()) return QuantizedForm::amx;
+#endif
+#if defined(LITEINFER_GEMV_DEQUANTIZED)
+  const int64_t min_rows = dtype == at::kFloat ? kDequantizedMinRows<float> : kDequantizedMinRows<c10::BFloat16>;
+  if (n % 16 == 0 && m >= min_rows) return QuantizedForm::dequantized;
+#endif
+  return QuantizedForm::integer;
+}
+
+// The form's name, for the tests: which arithmetic a shape meets.
+std::string gemv_quantized_form(at::ScalarType dtype, int64_t rows, int64_t outputs) {
+  static constexpr const char* names[] = {"integer", "amx", "dequantized"};
+  return names[static_cast<int>(quantized_form(dtype, rows, outputs))];
+}
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales,
                 const c10::optional<at::Tensor>& bias) {
@@ -744,10 +884,14 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
     const scalar_t* xs = x_.data_ptr<scalar_t>();
     if (int8 || int4) {
       auto multiply = [&](const auto& weights) {
+        const QuantizedForm form = quantized_form(x.scalar_type(), m, n);
 #if defined(LITEINFER_GEMV_AMX)
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-          if (m >= kAmxMinRows && liteinfer::amx_permitted()) return amx_rows(weights, xs, b_data, y_data, m, n);
+          if (form == QuantizedForm::amx) return amx_rows(weights, xs, b_data, y_data, m, n);
         }
+#endif
+#if defined(LITEINFER_GEMV_DEQUANTIZED)
+        if (form == QuantizedForm::dequantized) return dequantized_rows(weights, xs, b_data, y_data, m, n);
 #endif
         std::vector<RowInputs> rows;  // each row of x prepared once: every row of W reads it
         for (int64_t r = 0; r < m; ++r) rows.push_back(row_inputs(xs + r * k, k, int4));
@@ -770,6 +914,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
 
 TORCH_LIBRARY_FRAGMENT(liteinfer, m) {
   m.def("gemv(Tensor x, Tensor weight, Tensor? scales, Tensor? bias) -> Tensor");
+  m.def("gemv_quantized_form(ScalarType dtype, int rows, int outputs) -> str", &gemv_quantized_form);
 }
 
 TORCH_LIBRARY_IMPL(liteinfer, CPU, m) { m.impl("gemv", &gemv); }

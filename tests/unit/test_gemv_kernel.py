@@ -61,27 +61,30 @@ def int16_rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_weight_rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The most that rounding the weights to bf16 (the int8 rows that take AMX tiles) can move each output of
+    """The most that rounding the weights to bf16 (bf16 batches that meet them dequantized) can move each output of
     x weight^T: half a bf16 step, 2^-9 of |weight|, per input, times |x|."""
     return x.float().abs() @ (weight.float().abs() * 2**-9).T
 
 
-def takes_amx(x: torch.Tensor) -> bool:
-    """Whether int8 weights meet x in AMX tiles: bf16 x of 5 rows or more, on a CPU with AMX (kernels/gemv.cpp)."""
-    amx = hasattr(torch.ops.liteinfer, "packed_linear_amx") and torch.ops.liteinfer.packed_linear_amx()
-    return x.dtype == torch.bfloat16 and x.shape[0] >= 5 and amx
+def quantized_form(x: torch.Tensor, out_features: int) -> str:
+    """The form in which quantized weights with `out_features` outputs meet x on this CPU (kernels/gemv.cpp:
+    quantized_form): "integer" (x rounded to 16-bit levels), "amx" or "dequantized" (the weights in x's dtype)."""
+    return torch.ops.liteinfer.gemv_quantized_form(x.dtype, x.shape[0], out_features)
 
 
 def assert_quantized_gemv_close(out: torch.Tensor, x: torch.Tensor, dequantized: torch.Tensor,
                                 bias: torch.Tensor | None, fp32_tolerance: dict) -> None:
     """The kernel's output against x dequantized^T (+ bias) in fp32: within `fp32_tolerance` (the sums' order) or one
-    bf16 step of the output, plus what rounding x to 16-bit levels (int16_rounding_bound) or, in AMX tiles, the
-    weights to bf16 (bf16_weight_rounding_bound) can move it, no more."""
+    bf16 step of the output, plus what rounding x to 16-bit levels (int16_rounding_bound) or, dequantized for bf16
+    x, the weights to bf16 (bf16_weight_rounding_bound) can move it, no more (dequantized for fp32 x: nothing)."""
     # (PyTorch's own int8 kernel is no reference here: on some small bf16 shapes it returns NaN or crashes.)
     expected = F.linear(x.float(), dequantized, None if bias is None else bias.float())
     assert out.dtype == x.dtype and out.shape == expected.shape
     tolerance = fp32_tolerance if x.dtype == torch.float32 else BF16_ONE_STEP
-    rounding = bf16_weight_rounding_bound(x, dequantized) if takes_amx(x) else int16_rounding_bound(x, dequantized)
+    if quantized_form(x, dequantized.shape[0]) == "integer":
+        rounding = int16_rounding_bound(x, dequantized)
+    else:
+        rounding = bf16_weight_rounding_bound(x, dequantized) if x.dtype == torch.bfloat16 else 0
     allowed = rounding + tolerance["atol"] + tolerance["rtol"] * expected.abs()
     error = (out.float() - expected).abs()
     assert (error <= allowed).all(), f"largest excess {(error - allowed).max().item()}"
@@ -113,21 +116,25 @@ def test_gemv_on_int8_weights_matches_fp32_arithmetic(rows, out_features, groups
 
 @pytest.mark.parametrize("weight_cls", [Int8Weight, Int4Weight])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_on_quantized_weights_gives_a_row_the_same_result_beside_any_rows(weight_cls, dtype):
-    """Rows of x go through in tiles (of four; in AMX, of 16): a row's result must not depend on the tile it lands in
-    nor on the rows beside it, so that a sequence's tokens do not depend on the batch. Alone, a row takes the integer
-    form, which bf16 batches on AMX CPUs do not: there its result is the same in any batch of five rows or more."""
+@pytest.mark.parametrize("rows", [4, 14])
+def test_gemv_on_quantized_weights_gives_a_row_the_same_result_beside_any_rows(weight_cls, dtype, rows):
+    """Rows of x go through in tiles (of four; dequantized, of eight or 16): a row's result must not depend on the
+    tile it lands in nor on the rows beside it, so that a sequence's tokens do not depend on the batch. A batch
+    takes one form by its size (four rows: the integer form; 14: the dequantized one where this CPU has it), so
+    that a row alone and in a batch agree where both take the same form."""
     assert kernels.load()
     torch.manual_seed(0)
-    weight = weight_cls.from_float(torch.randn(40, 128).to(dtype))
-    x, others = torch.randn(7, 128).to(dtype), torch.randn(40, 128).to(dtype)
+    weight = weight_cls.from_float(torch.randn(48, 128).to(dtype))
+    x, others = torch.randn(rows, 128).to(dtype), torch.randn(rows, 128).to(dtype)
     def gemv(rows):
         return torch.ops.liteinfer.gemv(rows, weight.q, weight.scales_and_zeros, None)
 
     together = gemv(x)
-    for r in range(7):
-        assert torch.equal(together[r], gemv(torch.cat([others[:4 + r], x[r:r + 1], others[4 + r:]]))[4 + r])
-        if not takes_amx(x):
+    for r in range(rows):
+        moved = (r + 3) % rows  # the row elsewhere in a batch of others
+        batch = torch.cat([others[:moved], x[r:r + 1], others[moved + 1:]])
+        assert torch.equal(together[r], gemv(batch)[moved])
+        if quantized_form(x[r:r + 1], 48) == quantized_form(x, 48):
             assert torch.equal(together[r], gemv(x[r:r + 1])[0])
 
 
@@ -141,13 +148,39 @@ def test_gemv_on_quantized_weights_in_amx_tiles_sums_the_weights_in_bf16(weight_
     assert kernels.load()
     torch.manual_seed(0)
     x = torch.randn(rows, blocks * 64).bfloat16()
-    if not takes_amx(x):
+    if quantized_form(x, out_features) != "amx":
         pytest.skip("this CPU has no AMX")
     weight = weight_cls.from_float(torch.randn(out_features, x.shape[1]).bfloat16())
     bias = torch.randn(out_features).bfloat16()
     out = torch.ops.liteinfer.gemv(x, weight.q, weight.scales_and_zeros, bias)
     expected = F.linear(x.float(), weight.dequantized(torch.float32).bfloat16().float(), bias.float())
     torch.testing.assert_close(out.float(), expected, **BF16_ONE_STEP)
+
+
+@pytest.mark.parametrize("weight_cls", [Int8Weight, Int4Weight])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "out_features", "blocks"), [(6, 16, 1), (8, 48, 2), (9, 64, 3), (12, 96, 9),
+                                                              (33, 160, 4), (130, 32, 2)])
+def test_gemv_on_quantized_weights_in_packed_tiles_sums_the_dequantized_weights(weight_cls, dtype, rows,
+                                                                                out_features, blocks):
+    """On CPUs with AVX-512 BF16, batches (fp32 from six rows, bf16 from twelve where AMX does not take them) meet
+    the weights dequantized to x's dtype in the packed linears' tiles: x . W summed in fp32, W exact in fp32 and
+    rounded to bf16 for bf16 (shapes: the least rows, a tile of eight rows and past it, groups of one to three
+    blocks of 16 outputs and more than one group, passes of 128 rows of x)."""
+    assert kernels.load()
+    torch.manual_seed(0)
+    x = torch.randn(rows, blocks * 64).to(dtype)
+    if quantized_form(x, out_features) != "dequantized":
+        pytest.skip("this CPU takes this shape in another form (no AVX-512 BF16, or AMX for bf16)")
+    weight = weight_cls.from_float(torch.randn(out_features, x.shape[1]).to(dtype))
+    bias = torch.randn(out_features).to(dtype)
+    out = torch.ops.liteinfer.gemv(x, weight.q, weight.scales_and_zeros, bias)
+    dequantized = weight.dequantized(torch.float32).to(dtype).float()
+    expected = F.linear(x.float(), dequantized, bias.float())
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), expected, **BF16_ONE_STEP)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
