@@ -51,13 +51,12 @@ weight takes scales_and_zeros [out, 2, in / 32] fp16 holding each row's scales a
 `layers/quantization.py: gemv_int4_layout` (blocks of 64 inputs) and takes scales_and_zeros [out, 2, in / 32] in
 x's dtype (a row's scales, then its zeros, one per group of 32 inputs), W being (level - 8) * scale + zero. On x86
 CPUs with AVX2, int8 and int4 weights are multiplied in integers against x rounded to 16-bit levels per group of 64
-inputs (each input off by at most half of its group's largest |x| / 32767). Batches meet them dequantized instead:
-on CPUs with AMX, bf16 x of five rows or more in AMX tiles; on CPUs with AVX-512 BF16, where the output count is a
-multiple of 16, fp32 x of six rows or more (and bf16 x of twelve where AMX does not take it) in the packed linears'
-tiles. Dequantized, fp32 meets the weights exactly and bf16 meets them rounded to bf16 (off by at most half a bf16
-step, as the bf16 model's own are), so that a row alone and the same row in such a batch can differ by that
-rounding. `gemv_quantized_form(dtype, rows, outputs)` -> "integer", "amx" or "dequantized" names the form a shape
-takes.
+inputs (each input off by at most half of its group's largest |x| / 32767). Batches of five rows or more meet them
+dequantized instead: bf16 x on CPUs with AMX in AMX tiles; otherwise, on CPUs with AVX-512 BF16 and where the output
+count is a multiple of 16, in the packed linears' tiles. Dequantized, fp32 meets the weights exactly and bf16 meets
+them rounded to bf16 (off by at most half a bf16 step, as the bf16 model's own are), so that a row alone and the
+same row in such a batch can differ by those roundings. `gemv_quantized_form(dtype, rows, outputs)` -> "integer",
+"amx" or "dequantized" names the form a shape takes.
 
 `argmax(logits [rows, vocab] fp32 or bf16)` -> [rows] int64: the first index of each row's largest value, as
 `torch.argmax` gives it, except that NaN is skipped rather than taken as the largest.

@@ -505,6 +505,8 @@ struct Int8Rows {
   int64_t k;
   int64_t groups() const { return k / kInt8Group; }
   const at::Half* scales(int64_t row) const { return scales_and_zeros + row * groups() * 2; }
+  const void* levels_of(int64_t row) const { return w + row * k; }  // rows' levels lie one after another,
+  int64_t level_bytes() const { return k; }                          // this many bytes a row
   template <int R>
   void dot(int64_t row, const RowRef* x, float* out) const {
     dot_rows_int8<R>(w + row * k, x, scales(row), scales(row) + groups(), groups(), out);
@@ -526,6 +528,8 @@ struct Int4Rows {
   int64_t k;
   int64_t groups() const { return k / kInt4Group; }
   const scale_t* scales(int64_t row) const { return scales_and_zeros + row * groups() * 2; }
+  const void* levels_of(int64_t row) const { return w + row * k / 2; }
+  int64_t level_bytes() const { return k / 2; }
   template <int R>
   void dot(int64_t row, const RowRef* x, float* out) const {
     dot_rows_int4<R>(w + row * k / 2, x, scales(row), scales(row) + groups(), groups(), out);
@@ -586,6 +590,11 @@ T* thread_buffer(size_t count) {
 }
 
 #if defined(__AVX512F__) && defined(LITEINFER_GEMV_INT16_INPUTS)
+// Batches of this many rows of x or more meet the weights dequantized (AMX's tiles or the packed ones, below): on
+// the Intel Xeon, from five rows up both ran at or below the integer form's time (the packed tiles in fp32, and in
+// bf16 with AMX left out of the build, as AMD's AVX-512 CPUs have none), which fewer rows take.
+constexpr int64_t kDequantizedMinRows = 5;
+
 // A row's factors for up to 16 groups from g0, for the paths that dequantize W (below): the weight is q s + z, z
 // being the group's zero plus the levels' offset times s (both zero past `count`).
 template <typename Weights>
@@ -606,14 +615,14 @@ inline __m512 dequantized16(const Weights& weights, int64_t row, int64_t g, int 
 
 #if defined(LITEINFER_AMX) && defined(LITEINFER_GEMV_INT16_INPUTS) && defined(__AVX512BF16__)
 #define LITEINFER_GEMV_AMX
-// bf16 rows of x against int8 or int4 weights, on CPUs with AMX, from kAmxMinRows rows up: each thread dequantizes
-// 32 rows of W at a time to bf16 ((q + offset) * scale + zero in fp32, rounded to nearest even) into a buffer in L2,
-// and multiplies them in tiles, the transposed product y^T = W x^T: W's rows are then the first operand as they are
-// (a tile: 16 rows of W by one group of 32 inputs), and x, small, is what gets rearranged (once a call: its pairs of
-// inputs side by side for 16 rows, the second operand's layout). A pass keeps 2 x 2 tiles of sums: 32 rows of W by
-// 32 rows of x. The weights' rounding to bf16 (2^-9) is the model's own precision in bf16; a row's result does not
-// depend on the other rows, but differs from the integer form's, which one row (and fewer than kAmxMinRows) takes.
-constexpr int64_t kAmxMinRows = 5, kAmxBlock = 16;
+// bf16 rows of x against int8 or int4 weights, on CPUs with AMX, from kDequantizedMinRows rows up: each thread
+// dequantizes 32 rows of W at a time to bf16 ((q + offset) * scale + zero in fp32, rounded to nearest even) into a
+// buffer in L2, and multiplies them in tiles, the transposed product y^T = W x^T: W's rows are then the first operand
+// as they are (a tile: 16 rows of W by one group of 32 inputs), and x, small, is what gets rearranged (once a call:
+// its pairs of inputs side by side for 16 rows, the second operand's layout). A pass keeps 2 x 2 tiles of sums: 32
+// rows of W by 32 rows of x. The weights' rounding to bf16 (2^-9) is the model's own precision in bf16; a row's
+// result does not depend on the other rows, but differs from the integer form's, which fewer rows take.
+constexpr int64_t kAmxBlock = 16;
 
 // x [m, k] bf16 as tiles of 16 rows (the last zero-padded): for each pair of inputs, the 16 rows' pairs side by side.
 std::vector<int32_t> amx_x_pairs(const c10::BFloat16* x, int64_t m, int64_t k) {
@@ -740,11 +749,7 @@ void amx_rows(const Weights& weights, const c10::BFloat16* x, const c10::BFloat1
 // row of x through the packed linears' tiles over it. The integer form spends three operations per 32 inputs of each
 // row of x (products, conversion, scaling); a packed tile one vdpbf16ps (bf16) or two FMAs (fp32), once W is
 // dequantized, which costs a few rows' worth. fp32 then meets the weights exactly as q s + z; bf16 rounds them to
-// bf16, the model's own precision in bf16, as the AMX tiles do. The row counts from which this ran faster than the
-// integer form on the Intel Xeon (bf16: with AMX left out of the build, as AMD's AVX-512 CPUs have none; their
-// vdpbf16ps may run faster relative to fp32's FMAs than the Xeon's did, not measured there).
-template <typename T>
-constexpr int64_t kDequantizedMinRows = std::is_same_v<T, float> ? 6 : 12;
+// bf16, the model's own precision in bf16, as the AMX tiles do.
 
 // v[i]'s lane j and v[j]'s lane i swapped for all i, j: 16 rows of 16 32-bit lanes into 16 columns.
 inline void transpose16(__m512 v[16]) {
@@ -812,17 +817,25 @@ void dequantize_packed(const Weights& weights, int64_t row0, int64_t blocks, T* 
 // of x over it, ROWS rows a tile (x from L2 or L3; the group, 48 x k in T, stays in L2).
 template <typename Weights, typename T>
 void dequantized_rows(const Weights& weights, const T* x, const T* bias, T* y, int64_t m, int64_t n) {
-  using liteinfer::packed::BLOCKS, liteinfer::packed::ROWS;
+  using liteinfer::packed::BLOCKS, liteinfer::packed::LINE, liteinfer::packed::Prefetch, liteinfer::packed::ROWS,
+      liteinfer::packed::tile_for;
+  using Arith = liteinfer::packed::Arith<T>;
   const int64_t k = weights.k, blocks = n / 16, row_groups = (blocks + BLOCKS - 1) / BLOCKS;
   at::parallel_for(0, row_groups, 1, [&](int64_t begin, int64_t end) {
     T* dequantized = thread_buffer<T>(BLOCKS * 16 * k);
     for (int64_t group = begin; group < end; ++group) {
       const int64_t b0 = group * BLOCKS, nb = std::min(BLOCKS, blocks - b0);
       dequantize_packed(weights, b0 * 16, nb, dequantized);
-      for (int64_t r0 = 0; r0 < m; r0 += ROWS)
-        liteinfer::packed::tile_for<T>(nb, std::min<int64_t>(ROWS, m - r0))(
-            x + r0 * k, k, dequantized, bias ? bias + b0 * 16 : nullptr, y + r0 * n + b0 * 16, n,
-            liteinfer::packed::Prefetch{nullptr, 0});
+      // The thread's next group's levels, into L2 while the tiles run (a line a step, from the first tile on).
+      const int64_t next_rows = group + 1 < end ? std::min(BLOCKS * 16, n - (b0 + nb) * 16) : 0;
+      const int64_t next_lines = next_rows * weights.level_bytes() / LINE, steps = k / Arith::pair;
+      const char* next = static_cast<const char*>(weights.levels_of((b0 + nb) * 16));
+      for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+        const int64_t first = r0 / ROWS * steps;  // the lines the tiles before this one asked for
+        const Prefetch prefetch{next + first * LINE, std::max<int64_t>(0, next_lines - first)};
+        tile_for<T>(nb, std::min<int64_t>(ROWS, m - r0))(x + r0 * k, k, dequantized, bias ? bias + b0 * 16 : nullptr,
+                                                         y + r0 * n + b0 * 16, n, prefetch);
+      }
     }
   });
 }
@@ -834,11 +847,10 @@ enum class QuantizedForm { integer, amx, dequantized };
 
 QuantizedForm quantized_form(at::ScalarType dtype, int64_t m, int64_t n) {
 #if defined(LITEINFER_GEMV_AMX)
-  if (dtype == at::kBFloat16 && m >= kAmxMinRows && liteinfer::amx_permitted()) return QuantizedForm::amx;
+  if (dtype == at::kBFloat16 && m >= kDequantizedMinRows && liteinfer::amx_permitted()) return QuantizedForm::amx;
 #endif
 #if defined(LITEINFER_GEMV_DEQUANTIZED)
-  const int64_t min_rows = dtype == at::kFloat ? kDequantizedMinRows<float> : kDequantizedMinRows<c10::BFloat16>;
-  if (n % 16 == 0 && m >= min_rows) return QuantizedForm::dequantized;
+  if (n % 16 == 0 && m >= kDequantizedMinRows) return QuantizedForm::dequantized;
 #endif
   return QuantizedForm::integer;
 }

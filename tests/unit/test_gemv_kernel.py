@@ -159,14 +159,14 @@ def test_gemv_on_quantized_weights_in_amx_tiles_sums_the_weights_in_bf16(weight_
 
 @pytest.mark.parametrize("weight_cls", [Int8Weight, Int4Weight])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "out_features", "blocks"), [(6, 16, 1), (8, 48, 2), (9, 64, 3), (12, 96, 9),
+@pytest.mark.parametrize(("rows", "out_features", "blocks"), [(5, 16, 1), (8, 48, 2), (9, 64, 3), (12, 96, 9),
                                                               (33, 160, 4), (130, 32, 2)])
 def test_gemv_on_quantized_weights_in_packed_tiles_sums_the_dequantized_weights(weight_cls, dtype, rows,
                                                                                 out_features, blocks):
-    """On CPUs with AVX-512 BF16, batches (fp32 from six rows, bf16 from twelve where AMX does not take them) meet
-    the weights dequantized to x's dtype in the packed linears' tiles: x . W summed in fp32, W exact in fp32 and
-    rounded to bf16 for bf16 (shapes: the least rows, a tile of eight rows and past it, groups of one to three
-    blocks of 16 outputs and more than one group, passes of 128 rows of x)."""
+    """On CPUs with AVX-512 BF16, batches of five rows or more (bf16: where AMX does not take them) meet the weights
+    dequantized to x's dtype in the packed linears' tiles: x . W summed in fp32, W exact in fp32 and rounded to bf16
+    for bf16 (shapes: the least rows, a tile of eight rows and past it, groups of one to three blocks of 16 outputs
+    and more than one group, more rows than one pass of the integer form's 128)."""
     assert kernels.load()
     torch.manual_seed(0)
     x = torch.randn(rows, blocks * 64).to(dtype)
@@ -202,7 +202,7 @@ def test_gemv_on_int8_weights_rounds_x_per_group(dtype):
 
 @settings(max_examples=40, deadline=None)
 @given(
-    rows=st.integers(1, 9),  # one row, tiles of four rows of x with a remainder, and AMX's rows from five
+    rows=st.integers(1, 9),  # one row, tiles of four rows of x with a remainder, and dequantized batches from five
     out_features=st.integers(1, 40),
     blocks=st.integers(1, 12),  # of the layout's 64 inputs: two groups each (past a chunk of 16 groups)
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
