@@ -174,7 +174,9 @@ constexpr int64_t kInt8Group = 32, kInt4Group = 32;  // the groups that share a 
 #define LITEINFER_GEMV_INT16_INPUTS
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define LITEINFER_GEMV_INT4_PAIRS  // int4 rows take two blocks a step, in 512-bit registers (dot_rows_int4)
+// Levels in 512-bit registers: int8's groups (Int8Vectors) and int4's blocks two a step (dot_rows_int4), both through
+// dot_pairs.
+#define LITEINFER_GEMV_512
 #endif
 
 struct Int16Inputs {
@@ -238,7 +240,7 @@ inline __m256i multiply_add(__m256i acc, __m256i weights, const int16_t* x) {
 #endif
 }
 
-#if defined(LITEINFER_GEMV_INT4_PAIRS)
+#if defined(LITEINFER_GEMV_512)
 // acc + 32 weight levels times 32 x levels, summed in pairs: sixteen int32.
 inline __m512i dot_pairs(__m512i acc, __m512i weights, const int16_t* x) {
   const __m512i xv = _mm512_loadu_si512(x);
@@ -254,7 +256,7 @@ inline __m512i dot_pairs(__m512i acc, __m512i weights, const int16_t* x) {
 // with x's levels summed in pairs into int32 lanes, then in fp32; and `chunk` groups' scales or zeros widened from
 // fp16 (int4's: from x's dtype) at once, zero past `count`. (Zeroing, adding and summing a vector: the float rows'
 // zero, add and reduce.)
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(LITEINFER_GEMV_512)
 // A group in one 512-bit register: on the Intel Xeon this ran SmolLM2's int8 linears 10-25% faster at one row and
 // 5-10% at 32 than two 256-bit halves (docs/benchmarks.md).
 struct Int8Vectors {
@@ -369,7 +371,7 @@ inline void dot_rows_int4(const uint8_t* w, const Int16Inputs* const* inputs, co
     first[r] = second[r] = _mm256_setzero_ps();
     offsets[r] = zero(typename V::Float{});
   }
-#if defined(LITEINFER_GEMV_INT4_PAIRS)
+#if defined(LITEINFER_GEMV_512)
   __m512 wide_first[R], wide_second[R];
   for (int r = 0; r < R; ++r) wide_first[r] = wide_second[r] = _mm512_setzero_ps();
 #endif
@@ -383,7 +385,7 @@ inline void dot_rows_int4(const uint8_t* w, const Int16Inputs* const* inputs, co
       offsets[r] = V::fma(z, V::load(inputs[r]->sums.data() + g0), offsets[r]);
     }
     int64_t j = 0;
-#if defined(LITEINFER_GEMV_INT4_PAIRS)
+#if defined(LITEINFER_GEMV_512)
     // Two blocks a step (groups g0 + j .. g0 + j + 3): nibble n of 32 lanes, the first block's 16 beside the
     // second's, against x's levels in the same order; the sums of groups j and j + 2 share a register, as do j + 1
     // and j + 3, each half scaled by its own group's factor.
@@ -424,7 +426,7 @@ inline void dot_rows_int4(const uint8_t* w, const Int16Inputs* const* inputs, co
       }
     }
   }
-#if defined(LITEINFER_GEMV_INT4_PAIRS)
+#if defined(LITEINFER_GEMV_512)
   for (int r = 0; r < R; ++r) offsets[r] = _mm512_add_ps(offsets[r], _mm512_add_ps(wide_first[r], wide_second[r]));
 #endif
   for (int r = 0; r < R; ++r) out[r] = reduce(_mm256_add_ps(first[r], second[r])) + reduce(offsets[r]);
@@ -466,7 +468,7 @@ inline void dot_rows_int4(const uint8_t* w, const float* const* x, const scale_t
 using RowInputs = Int16Inputs;
 template <typename scalar_t>
 RowInputs row_inputs(const scalar_t* x, int64_t k, bool int4) {
-#if defined(LITEINFER_GEMV_INT4_PAIRS)
+#if defined(LITEINFER_GEMV_512)
   return int16_inputs(x, k, int4);
 #else
   return int16_inputs(x, k, false);

@@ -25,6 +25,9 @@ BF16_ONE_STEP = {"atol": 1e-5, "rtol": 2**-7}
 # Row lengths that take every path of a float row's dot product: four vectors at a time (AVX-512: 64 fp32 or 128
 # bf16 values; AVX2: 32 fp32), then one at a time, then a tail shorter than a vector.
 IN_FEATURES = st.integers(1, 300)
+# Quantized weights' output counts: any (the integer form), and whole blocks of 16 in groups of one to three blocks
+# and past them (the packed tiles', where batches of five rows or more take them).
+QUANTIZED_OUT_FEATURES = st.one_of(st.integers(1, 40), st.sampled_from([16, 32, 48, 64, 112]))
 
 
 @settings(max_examples=60, deadline=None)
@@ -98,7 +101,7 @@ def assert_int8_gemv_close(x: torch.Tensor, weight: Int8Weight, bias: torch.Tens
 @settings(max_examples=40, deadline=None)
 @given(
     rows=st.integers(1, 9),  # one row, and tiles of four rows of x with a remainder
-    out_features=st.integers(1, 40),
+    out_features=QUANTIZED_OUT_FEATURES,
     groups=st.integers(1, 10),  # to five groups of 64 x levels, the last one whole or half
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     with_bias=st.booleans(),
@@ -203,7 +206,7 @@ def test_gemv_on_int8_weights_rounds_x_per_group(dtype):
 @settings(max_examples=40, deadline=None)
 @given(
     rows=st.integers(1, 9),  # one row, tiles of four rows of x with a remainder, and dequantized batches from five
-    out_features=st.integers(1, 40),
+    out_features=QUANTIZED_OUT_FEATURES,
     blocks=st.integers(1, 12),  # of the layout's 64 inputs: two groups each (past a chunk of 16 groups)
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     with_bias=st.booleans(),
