@@ -507,8 +507,9 @@ struct Int8Rows {
   int64_t k;
   int64_t groups() const { return k / kInt8Group; }
   const at::Half* scales(int64_t row) const { return scales_and_zeros + row * groups() * 2; }
-  const void* levels_of(int64_t row) const { return w + row * k; }  // rows' levels lie one after another,
-  int64_t level_bytes() const { return k; }                          // this many bytes a row
+  // Where a row's levels start, and the bytes a row takes (rows lie one after another).
+  const void* levels_of(int64_t row) const { return w + row * k; }
+  int64_t level_bytes() const { return k; }
   template <int R>
   void dot(int64_t row, const RowRef* x, float* out) const {
     dot_rows_int8<R>(w + row * k, x, scales(row), scales(row) + groups(), groups(), out);
@@ -760,7 +761,7 @@ inline void transpose16(__m512 v[16]) {
     t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
     t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
   }
-  for (int i = 0; i < 16; i += 4) {  // fours of rows: u[i + c] holds column c of each 128-bit lane's four
+  for (int i = 0; i < 16; i += 4) {  // fours of rows: v[i + c] holds column c of each 128-bit lane's four
     const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]), c = _mm512_castps_pd(t[i + 2]),
                   d = _mm512_castps_pd(t[i + 3]);
     v[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));

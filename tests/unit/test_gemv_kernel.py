@@ -100,7 +100,7 @@ def assert_int8_gemv_close(x: torch.Tensor, weight: Int8Weight, bias: torch.Tens
 
 @settings(max_examples=40, deadline=None)
 @given(
-    rows=st.integers(1, 9),  # one row, and tiles of four rows of x with a remainder
+    rows=st.integers(1, 9),  # one row, tiles of four rows of x with a remainder, and dequantized batches from five
     out_features=QUANTIZED_OUT_FEATURES,
     groups=st.integers(1, 10),  # to five groups of 64 x levels, the last one whole or half
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
