@@ -520,6 +520,12 @@ struct Int8Rows {
     return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
   }
 #endif
+#if defined(LITEINFER_PACKED_AVX2)
+  __m256i levels16(int64_t row, int64_t g, int half) const {  // as `levels`, in 16-bit lanes
+    const int8_t* q = w + row * k + g * kInt8Group + 16 * half;
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  }
+#endif
 };
 
 template <typename scale_type>
@@ -542,6 +548,12 @@ struct Int4Rows {
     const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + row * k / 2 + g / 2 * kGroup / 2));
     const __m256i shifted = _mm256_srli_epi16(lanes, 4 * (2 * (g % 2) + half));
     return _mm512_cvtepu16_epi32(_mm256_and_si256(shifted, _mm256_set1_epi16(0xF)));
+  }
+#endif
+#if defined(LITEINFER_PACKED_AVX2)
+  __m256i levels16(int64_t row, int64_t g, int half) const {
+    const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + row * k / 2 + g / 2 * kGroup / 2));
+    return _mm256_and_si256(_mm256_srli_epi16(lanes, 4 * (2 * (g % 2) + half)), _mm256_set1_epi16(0xF));
   }
 #endif
 };
@@ -592,23 +604,32 @@ T* thread_buffer(size_t count) {
   return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
 }
 
-#if defined(__AVX512F__) && defined(LITEINFER_GEMV_INT16_INPUTS)
-// Batches of this many rows of x or more meet the weights dequantized (AMX's tiles or the packed ones, below): on
-// the Intel Xeon, from five rows up both ran at or below the integer form's time (the packed tiles in fp32, and in
-// bf16 with AMX left out of the build, as AMD's AVX-512 CPUs have none), which fewer rows take.
+#if (defined(LITEINFER_PACKED_AVX512) || defined(LITEINFER_PACKED_AVX2)) && defined(LITEINFER_GEMV_INT16_INPUTS)
+#define LITEINFER_GEMV_DEQUANTIZED
+// Batches of this many rows of x or more meet the weights dequantized (AMX's tiles or the packed ones, below), which
+// fewer rows meet in the integer form. On the Intel Xeon, from five rows up both ran at or below the integer form's
+// time (the packed tiles in fp32, and in bf16 with AMX left out of the build, as AMD's AVX-512 CPUs have none). On the
+// AMD Zen 3 (AVX2: bf16 only), where a packed tile does less a cycle and dequantizing costs more, from sixteen: int4
+// gained from twelve rows, int8 from sixteen to twenty-four (docs/benchmarks.md).
+#if defined(LITEINFER_PACKED_AVX512)
 constexpr int64_t kDequantizedMinRows = 5;
+#else
+constexpr int64_t kDequantizedMinRows = 16;
+#endif
 
-// A row's factors for up to 16 groups from g0, for the paths that dequantize W (below): the weight is q s + z, z
-// being the group's zero plus the levels' offset times s (both zero past `count`).
+// A row's factors for up to Int8Vectors::chunk groups from g0, for the paths that dequantize W (below): the weight
+// is q s + z, z being the group's zero plus the levels' offset times s (both zero past `count`).
 template <typename Weights>
 inline void dequantizing_factors(const Weights& weights, int64_t row, int64_t g0, int64_t count, float* s, float* z) {
+  using V = Int8Vectors;
   const typename Weights::scale_t* scales = weights.scales(row);
-  const __m512 scale = Int8Vectors::widen(scales + g0, count);
-  _mm512_storeu_ps(s, scale);
-  _mm512_storeu_ps(z, _mm512_fmadd_ps(scale, _mm512_set1_ps(Weights::offset),
-                                      Int8Vectors::widen(scales + weights.groups() + g0, count)));
+  const V::Float scale = V::widen(scales + g0, count);
+  V::store(s, scale);
+  V::store(z, V::fma(scale, V::broadcast(Weights::offset), V::widen(scales + weights.groups() + g0, count)));
 }
+#endif
 
+#if defined(LITEINFER_PACKED_AVX512) && defined(LITEINFER_GEMV_INT16_INPUTS)
 // 16 weights of a row in fp32, from input 16 * half of group g, at the group's factors s and z.
 template <typename Weights>
 inline __m512 dequantized16(const Weights& weights, int64_t row, int64_t g, int half, float s, float z) {
@@ -658,9 +679,9 @@ void amx_dequantize(const Weights& weights, int64_t row0, int64_t n, c10::BFloat
       for (int64_t g = 0; g < groups; ++g) _mm512_storeu_si512(tile_row + g * tile, _mm512_setzero_si512());
       continue;
     }
-    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-      const int64_t count = std::min<int64_t>(16, groups - g0);
-      alignas(64) float s[16], z[16];
+    for (int64_t g0 = 0; g0 < groups; g0 += Int8Vectors::chunk) {
+      const int64_t count = std::min(Int8Vectors::chunk, groups - g0);
+      alignas(64) float s[Int8Vectors::chunk], z[Int8Vectors::chunk];
       dequantizing_factors(weights, row, g0, count, s, z);
       for (int64_t j = 0; j < count; ++j) {
         const __m512 first = dequantized16(weights, row, g0 + j, 0, s[j], z[j]),
@@ -744,15 +765,16 @@ void amx_rows(const Weights& weights, const c10::BFloat16* x, const c10::BFloat1
 }
 #endif
 
-#if defined(LITEINFER_PACKED_AVX512) && defined(LITEINFER_GEMV_INT16_INPUTS)
-#define LITEINFER_GEMV_DEQUANTIZED
-// fp32 rows of x, and bf16 rows where AMX does not take them, against int8 or int4 weights with whole blocks of 16
-// outputs, from kDequantizedMinRows rows up: each thread dequantizes a group of 48 rows of W (three blocks of 16,
-// kernels/packed_tile.h) at a time into the packed linears' layout, in x's dtype, into a buffer in L2, and runs every
-// row of x through the packed linears' tiles over it. The integer form spends three operations per 32 inputs of each
-// row of x (products, conversion, scaling); a packed tile one vdpbf16ps (bf16) or two FMAs (fp32), once W is
-// dequantized, which costs a few rows' worth. fp32 then meets the weights exactly as q s + z; bf16 rounds them to
-// bf16, the model's own precision in bf16, as the AMX tiles do.
+#if defined(LITEINFER_GEMV_DEQUANTIZED)
+// Rows of x in a dtype the packed linears' tiles take (AVX-512 BF16: fp32 and bf16, where AMX does not take bf16;
+// AVX2: bf16), against int8 or int4 weights with whole blocks of 16 outputs, from kDequantizedMinRows rows up: each
+// thread dequantizes a group of 48 rows of W (three blocks of 16, kernels/packed_tile.h) at a time into the packed
+// linears' layout, in x's dtype, into a buffer in L2, and runs every row of x through the packed linears' tiles over
+// it. The integer form spends three operations per 32 inputs of each row of x (products, conversion, scaling); a
+// packed tile one vdpbf16ps (bf16) or two FMAs (fp32), once W is dequantized, which costs a few rows' worth (AVX2:
+// four FMAs and its pairs' widening per 16 outputs and 2 inputs). fp32 then meets the weights exactly as q s + z;
+// bf16 rounds them to bf16 (nearest even), the model's own precision in bf16, as the AMX tiles do.
+#if defined(LITEINFER_PACKED_AVX512)
 
 // v[i]'s lane j and v[j]'s lane i swapped for all i, j: 16 rows of 16 32-bit lanes into 16 columns.
 inline void transpose16(__m512 v[16]) {
@@ -789,9 +811,9 @@ void dequantize_packed(const Weights& weights, int64_t row0, int64_t blocks, T* 
   const int64_t groups = weights.groups();
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t first = row0 + b * 16;
-    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-      const int64_t count = std::min<int64_t>(16, groups - g0);
-      alignas(64) float s[16][16], z[16][16];  // [row][group]
+    for (int64_t g0 = 0; g0 < groups; g0 += Int8Vectors::chunk) {
+      const int64_t count = std::min(Int8Vectors::chunk, groups - g0);
+      alignas(64) float s[16][Int8Vectors::chunk], z[16][Int8Vectors::chunk];  // [row][group]
       for (int r = 0; r < 16; ++r) dequantizing_factors(weights, first + r, g0, count, s[r], z[r]);
       for (int64_t j = 0; j < count; ++j) {
         const int64_t g = g0 + j;
@@ -816,13 +838,84 @@ void dequantize_packed(const Weights& weights, int64_t row0, int64_t blocks, T* 
   }
 }
 
+#else  // LITEINFER_PACKED_AVX2
+// v[i]'s lane j and v[j]'s lane i swapped for all i, j: 8 rows of 8 32-bit lanes into 8 columns.
+inline void transpose8(__m256 v[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {  // pairs of rows interleaved, within each 128-bit lane
+    t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // fours of rows: v[i + c] holds column c of each 128-bit lane's four
+    v[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    v[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    v[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    v[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {  // column c from the low 128-bit lanes of both fours, column 4 + c from the high
+    t[c] = _mm256_permute2f128_ps(v[c], v[4 + c], 0x20);
+    t[4 + c] = _mm256_permute2f128_ps(v[c], v[4 + c], 0x31);
+  }
+  std::copy_n(t, 8, v);
+}
+
+// fp32 values' bits rounded to bf16's at the nearest even (finite values), in the high halves of the lanes.
+inline __m256i bf16_rounded(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+}
+
+// 16 levels (16-bit lanes, of consecutive inputs) as 8 pairs of bf16 weights q s + z, a pair a 32-bit lane, the
+// first input in the low half (the packed layout's pairs): the even inputs are each lane's low half sign-extended,
+// the odd ones its high half.
+inline __m256i dequantized_pairs(__m256i levels, float s, float z) {
+  const __m256 scale = _mm256_set1_ps(s), zero = _mm256_set1_ps(z);
+  const __m256i even = _mm256_srai_epi32(_mm256_slli_epi32(levels, 16), 16), odd = _mm256_srai_epi32(levels, 16);
+  const __m256 first = _mm256_fmadd_ps(_mm256_cvtepi32_ps(even), scale, zero),
+               second = _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd), scale, zero);
+  return _mm256_or_si256(_mm256_srli_epi32(bf16_rounded(first), 16),
+                         _mm256_and_si256(bf16_rounded(second), _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+
+// Rows [row0, row0 + 16 * blocks) of W in bf16, in the packed layout: for each pair of inputs, each block's 16 rows
+// side by side. 8 rows by 8 pairs at a time, dequantized, then transposed.
+template <typename T, typename Weights>
+void dequantize_packed(const Weights& weights, int64_t row0, int64_t blocks, T* out) {
+  static_assert(std::is_same_v<T, c10::BFloat16>, "AVX2's packed tiles take bf16 only");
+  const int64_t groups = weights.groups();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t first = row0 + b * 16;
+    for (int64_t g0 = 0; g0 < groups; g0 += Int8Vectors::chunk) {
+      const int64_t count = std::min(Int8Vectors::chunk, groups - g0);
+      alignas(64) float s[16][Int8Vectors::chunk], z[16][Int8Vectors::chunk];  // [row][group]
+      for (int r = 0; r < 16; ++r) dequantizing_factors(weights, first + r, g0, count, s[r], z[r]);
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t g = g0 + j;
+        for (int rows = 0; rows < 16; rows += 8)
+          for (int half = 0; half < 2; ++half) {  // pairs 8 half .. 8 half + 7 of the group
+            __m256 v[8];
+            for (int r = 0; r < 8; ++r)
+              v[r] = _mm256_castsi256_ps(
+                  dequantized_pairs(weights.levels16(first + rows + r, g, half), s[rows + r][j], z[rows + r][j]));
+            transpose8(v);
+            for (int p = 0; p < 8; ++p) {
+              T* step = out + ((g * kInt8Group / 2 + 8 * half + p) * blocks + b) * 32;
+              _mm256_storeu_ps(reinterpret_cast<float*>(step + 2 * rows), v[p]);
+            }
+          }
+      }
+    }
+  }
+}
+#endif
+
 // y [m, n]: each thread takes a contiguous share of W's groups of 48 rows, dequantizes each once, and runs every row
 // of x over it, ROWS rows a tile (x from L2 or L3; the group, 48 x k in T, stays in L2).
 template <typename Weights, typename T>
 void dequantized_rows(const Weights& weights, const T* x, const T* bias, T* y, int64_t m, int64_t n) {
-  using liteinfer::packed::BLOCKS, liteinfer::packed::LINE, liteinfer::packed::Prefetch, liteinfer::packed::ROWS,
-      liteinfer::packed::tile_for;
-  using Arith = liteinfer::packed::Arith<T>;
+  using liteinfer::packed::BLOCKS, liteinfer::packed::LINE, liteinfer::packed::PAIR, liteinfer::packed::Prefetch,
+      liteinfer::packed::ROWS, liteinfer::packed::tile_for;
   const int64_t k = weights.k, blocks = n / 16, row_groups = (blocks + BLOCKS - 1) / BLOCKS;
   at::parallel_for(0, row_groups, 1, [&](int64_t begin, int64_t end) {
     T* dequantized = thread_buffer<T>(BLOCKS * 16 * k);
@@ -831,7 +924,7 @@ void dequantized_rows(const Weights& weights, const T* x, const T* bias, T* y, i
       dequantize_packed(weights, b0 * 16, nb, dequantized);
       // The thread's next group's levels, into L2 while the tiles run (a line a step, from the first tile on).
       const int64_t next_rows = group + 1 < end ? std::min(BLOCKS * 16, n - (b0 + nb) * 16) : 0;
-      const int64_t next_lines = next_rows * weights.level_bytes() / LINE, steps = k / Arith::pair;
+      const int64_t next_lines = next_rows * weights.level_bytes() / LINE, steps = k / PAIR<T>;
       const char* next = static_cast<const char*>(weights.levels_of((b0 + nb) * 16));
       for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
         const int64_t first = r0 / ROWS * steps;  // the lines the tiles before this one asked for
@@ -853,7 +946,8 @@ QuantizedForm quantized_form(at::ScalarType dtype, int64_t m, int64_t n) {
   if (dtype == at::kBFloat16 && m >= kDequantizedMinRows && liteinfer::amx_permitted()) return QuantizedForm::amx;
 #endif
 #if defined(LITEINFER_GEMV_DEQUANTIZED)
-  if (n % 16 == 0 && m >= kDequantizedMinRows) return QuantizedForm::dequantized;
+  const bool tiles = dtype == at::kBFloat16 || liteinfer::packed::FLOAT_TILES;
+  if (tiles && n % 16 == 0 && m >= kDequantizedMinRows) return QuantizedForm::dequantized;
 #endif
   return QuantizedForm::integer;
 }
@@ -906,7 +1000,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
         }
 #endif
 #if defined(LITEINFER_GEMV_DEQUANTIZED)
-        if (form == QuantizedForm::dequantized) return dequantized_rows(weights, xs, b_data, y_data, m, n);
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || liteinfer::packed::FLOAT_TILES) {
+          if (form == QuantizedForm::dequantized) return dequantized_rows(weights, xs, b_data, y_data, m, n);
+        }
 #endif
         std::vector<RowInputs> rows;  // each row of x prepared once: every row of W reads it
         for (int64_t r = 0; r < m; ++r) rows.push_back(row_inputs(xs + r * k, k, int4));

@@ -35,8 +35,8 @@
 
 namespace {
 
-using liteinfer::packed::BLOCKS, liteinfer::packed::LINE, liteinfer::packed::Prefetch, liteinfer::packed::ROWS,
-    liteinfer::packed::tile_for;
+using liteinfer::packed::BLOCKS, liteinfer::packed::FLOAT_TILES, liteinfer::packed::LINE, liteinfer::packed::Prefetch,
+    liteinfer::packed::ROWS, liteinfer::packed::tile_for;
 #if defined(LITEINFER_PACKED_AVX512)
 using liteinfer::packed::store_outputs;
 #endif
@@ -146,11 +146,7 @@ void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, 
 }
 
 bool packed_linear_takes(at::ScalarType dtype) {
-#if defined(LITEINFER_PACKED_AVX512)
-  return dtype == at::kFloat || dtype == at::kBFloat16;
-#else
-  return dtype == at::kBFloat16;
-#endif
+  return dtype == at::kBFloat16 || (FLOAT_TILES && dtype == at::kFloat);
 }
 
 // Whether bf16 takes the AMX tiles here (built for them, and the kernel grants their state).

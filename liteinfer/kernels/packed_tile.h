@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 namespace liteinfer::packed {
@@ -24,6 +25,13 @@ namespace liteinfer::packed {
 constexpr int ROWS = 8;         // rows of x per tile: 8 x 3 sums + 3 weights + 1 broadcast of 32 registers
 constexpr int64_t BLOCKS = 3;   // blocks of 16 outputs per group
 constexpr int64_t LINE = 64;
+#if defined(LITEINFER_PACKED_AVX512)
+constexpr bool FLOAT_TILES = true;  // whether fp32 has tiles here (bf16 always does)
+#else
+constexpr bool FLOAT_TILES = false;
+#endif
+template <typename T>
+constexpr int64_t PAIR = std::is_same_v<T, float> ? 1 : 2;  // inputs per step of the layout: fp32 one, bf16 a pair
 
 // Where a tile prefetches: `lines` cache lines from `next`, one after each step's loads.
 struct Prefetch {
@@ -38,7 +46,7 @@ struct Arith;
 
 template <>
 struct Arith<float> {
-  static constexpr int64_t pair = 1;
+  static constexpr int64_t pair = PAIR<float>;
   static constexpr int64_t chunk = 128;  // steps summed in registers before they add into a tile's totals
   static __m512 load(const float* w) { return _mm512_loadu_ps(w); }
   static __m512 broadcast(const float* x) { return _mm512_set1_ps(*x); }
@@ -49,7 +57,7 @@ struct Arith<float> {
 
 template <>
 struct Arith<c10::BFloat16> {
-  static constexpr int64_t pair = 2;
+  static constexpr int64_t pair = PAIR<c10::BFloat16>;
   // One chunk: the output's rounding to bf16 (2^-9) dwarfs the sums' own, and chunks cost 2-3% here.
   static constexpr int64_t chunk = INT64_MAX / 2;
   static __m512 load(const c10::BFloat16* w) { return _mm512_castsi512_ps(_mm512_loadu_si512(w)); }

@@ -3,7 +3,8 @@ with a scale and a zero per group of 32 inputs.
 
 Weights are quantized once loaded, from the loaded float weights (no calibration data); activations keep the
 model's dtype, and our kernel (kernels/gemv.cpp) multiplies them by the quantized weights directly, at any number of
-rows (bf16 batches on CPUs with AMX through the weights dequantized to bf16, 32 rows of W at a time). At batch 1 a
+rows (larger batches through the weights dequantized, a few dozen rows of W at a time, into AMX's or the packed
+linears' tiles: kernels/__init__.py says where). At batch 1 a
 decode step streams every weight from memory once, so fewer bytes per weight is fewer milliseconds per token; large
 batches are bound by arithmetic instead, where quantized weights save memory rather than time (docs/benchmarks.md).
 """

@@ -28,6 +28,9 @@ IN_FEATURES = st.integers(1, 300)
 # Quantized weights' output counts: any (the integer form), and whole blocks of 16 in groups of one to three blocks
 # and past them (the packed tiles', where batches of five rows or more take them).
 QUANTIZED_OUT_FEATURES = st.one_of(st.integers(1, 40), st.sampled_from([16, 32, 48, 64, 112]))
+# One row, tiles of four rows of x with a remainder, and dequantized batches: from five rows on AVX-512 BF16, from
+# sixteen on AVX2 (kernels/gemv.cpp: kDequantizedMinRows).
+QUANTIZED_ROWS = st.one_of(st.integers(1, 9), st.integers(16, 18))
 
 
 @settings(max_examples=60, deadline=None)
@@ -107,7 +110,7 @@ def assert_int8_gemv_close(x: torch.Tensor, weight: Int8Weight, bias: torch.Tens
 
 @settings(max_examples=40, deadline=None)
 @given(
-    rows=st.integers(1, 9),  # one row, tiles of four rows of x with a remainder, and dequantized batches from five
+    rows=QUANTIZED_ROWS,
     out_features=QUANTIZED_OUT_FEATURES,
     groups=st.integers(1, 10),  # to five groups of 64 x levels, the last one whole or half
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
@@ -126,11 +129,11 @@ def test_gemv_on_int8_weights_matches_fp32_arithmetic(rows, out_features, groups
 
 @pytest.mark.parametrize("weight_cls", [Int8Weight, Int4Weight])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [4, 14])
+@pytest.mark.parametrize("rows", [4, 18])
 def test_gemv_on_quantized_weights_gives_a_row_the_same_result_beside_any_rows(weight_cls, dtype, rows):
     """Rows of x go through in tiles (of four; dequantized, of eight or 16): a row's result must not depend on the
     tile it lands in nor on the rows beside it, so that a sequence's tokens do not depend on the batch. A batch
-    takes one form by its size (four rows: the integer form; 14: the dequantized one where this CPU has it), so
+    takes one form by its size (four rows: the integer form; 18: the dequantized one where this CPU has it), so
     that a row alone and in a batch agree where both take the same form."""
     assert kernels.load()
     torch.manual_seed(0)
@@ -170,18 +173,19 @@ def test_gemv_on_quantized_weights_in_amx_tiles_sums_the_weights_in_bf16(weight_
 @pytest.mark.parametrize("weight_cls", [Int8Weight, Int4Weight])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "out_features", "blocks"), [(5, 16, 1), (8, 48, 2), (9, 64, 3), (12, 96, 9),
-                                                              (33, 160, 4), (130, 32, 2)])
+                                                              (16, 16, 1), (17, 48, 9), (33, 160, 4), (130, 32, 2)])
 def test_gemv_on_quantized_weights_in_packed_tiles_sums_the_dequantized_weights(weight_cls, dtype, rows,
                                                                                 out_features, blocks):
-    """On CPUs with AVX-512 BF16, batches of five rows or more (bf16: where AMX does not take them) meet the weights
-    dequantized to x's dtype in the packed linears' tiles: x . W summed in fp32, W exact in fp32 and rounded to bf16
-    for bf16 (shapes: the least rows, a tile of eight rows and past it, groups of one to three blocks of 16 outputs
-    and more than one group, more rows than one pass of the integer form's 128)."""
+    """Batches of five rows or more on CPUs with AVX-512 BF16 (bf16: where AMX does not take them), and bf16 batches
+    of sixteen or more on CPUs with AVX2, meet the weights dequantized to x's dtype in the packed linears' tiles:
+    x . W summed in fp32, W exact in fp32 and rounded to bf16 (nearest even) for bf16 (shapes: each build's least
+    rows, tiles of eight rows and past them, groups of one to three blocks of 16 outputs and more than one group,
+    more rows than one pass of the integer form's 128)."""
     assert kernels.load()
     torch.manual_seed(0)
     x = torch.randn(rows, blocks * 64).to(dtype)
     if quantized_form(x, out_features) != "dequantized":
-        pytest.skip("this CPU takes this shape in another form (no AVX-512 BF16, or AMX for bf16)")
+        pytest.skip("this CPU takes this shape in another form (too few rows, fp32 without AVX-512 BF16, AMX for bf16)")
     weight = weight_cls.from_float(torch.randn(out_features, x.shape[1]).to(dtype))
     bias = torch.randn(out_features).to(dtype)
     out = torch.ops.liteinfer.gemv(x, weight.q, weight.scales_and_zeros, bias)
@@ -212,7 +216,7 @@ def test_gemv_on_int8_weights_rounds_x_per_group(dtype):
 
 @settings(max_examples=40, deadline=None)
 @given(
-    rows=st.integers(1, 9),  # one row, tiles of four rows of x with a remainder, and dequantized batches from five
+    rows=QUANTIZED_ROWS,
     out_features=QUANTIZED_OUT_FEATURES,
     blocks=st.integers(1, 12),  # of the layout's 64 inputs: two groups each (past a chunk of 16 groups)
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
