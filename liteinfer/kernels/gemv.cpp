@@ -775,7 +775,6 @@ void amx_rows(const Weights& weights, const c10::BFloat16* x, const c10::BFloat1
 // four FMAs and its pairs' widening per 16 outputs and 2 inputs). fp32 then meets the weights exactly as q s + z;
 // bf16 rounds them to bf16 (nearest even), the model's own precision in bf16, as the AMX tiles do.
 #if defined(LITEINFER_PACKED_AVX512)
-
 // v[i]'s lane j and v[j]'s lane i swapped for all i, j: 16 rows of 16 32-bit lanes into 16 columns.
 inline void transpose16(__m512 v[16]) {
   __m512 t[16];
@@ -804,37 +803,27 @@ inline void transpose16(__m512 v[16]) {
   std::copy_n(t, 16, v);
 }
 
-// Rows [row0, row0 + 16 * blocks) of W in T, in the packed layout: for each step (fp32: an input; bf16: a pair of
-// inputs), each block's 16 rows side by side. 16 rows by 16 inputs at a time, dequantized, then transposed.
+// Group g of the 16 rows of W from `first` in T, into the packed layout: the group's step i (fp32: its input i; bf16:
+// its pair i) at steps + i * stride, the 16 rows side by side; row r's factors at s[r * Int8Vectors::chunk] and
+// z[r * Int8Vectors::chunk] (dequantizing_factors'). 16 rows by 16 inputs at a time, dequantized, then transposed.
 template <typename T, typename Weights>
-void dequantize_packed(const Weights& weights, int64_t row0, int64_t blocks, T* out) {
-  const int64_t groups = weights.groups();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t first = row0 + b * 16;
-    for (int64_t g0 = 0; g0 < groups; g0 += Int8Vectors::chunk) {
-      const int64_t count = std::min(Int8Vectors::chunk, groups - g0);
-      alignas(64) float s[16][Int8Vectors::chunk], z[16][Int8Vectors::chunk];  // [row][group]
-      for (int r = 0; r < 16; ++r) dequantizing_factors(weights, first + r, g0, count, s[r], z[r]);
-      for (int64_t j = 0; j < count; ++j) {
-        const int64_t g = g0 + j;
-        auto dequantized = [&](int r, int half) {
-          return dequantized16(weights, first + r, g, half, s[r][j], z[r][j]);
-        };
-        __m512 v[16];
-        if constexpr (std::is_same_v<T, float>) {
-          for (int half = 0; half < 2; ++half) {
-            for (int r = 0; r < 16; ++r) v[r] = dequantized(r, half);
-            transpose16(v);
-            for (int i = 0; i < 16; ++i)
-              _mm512_storeu_ps(out + ((g * kInt8Group + 16 * half + i) * blocks + b) * 16, v[i]);
-          }
-        } else {  // a row's 32 inputs as 16 pairs, a pair a 32-bit lane
-          for (int r = 0; r < 16; ++r) v[r] = (__m512)_mm512_cvtne2ps_pbh(dequantized(r, 1), dequantized(r, 0));
-          transpose16(v);
-          for (int p = 0; p < 16; ++p) _mm512_storeu_ps(out + ((g * kInt8Group / 2 + p) * blocks + b) * 32, v[p]);
-        }
-      }
+void dequantize_group(const Weights& weights, int64_t first, int64_t g, const float* s, const float* z, T* steps,
+                      int64_t stride) {
+  constexpr int64_t chunk = Int8Vectors::chunk;
+  auto dequantized = [&](int r, int half) {
+    return dequantized16(weights, first + r, g, half, s[r * chunk], z[r * chunk]);
+  };
+  __m512 v[16];
+  if constexpr (std::is_same_v<T, float>) {
+    for (int half = 0; half < 2; ++half) {
+      for (int r = 0; r < 16; ++r) v[r] = dequantized(r, half);
+      transpose16(v);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(steps + (16 * half + i) * stride, v[i]);
     }
+  } else {  // a row's 32 inputs as 16 pairs, a pair a 32-bit lane
+    for (int r = 0; r < 16; ++r) v[r] = (__m512)_mm512_cvtne2ps_pbh(dequantized(r, 1), dequantized(r, 0));
+    transpose16(v);
+    for (int p = 0; p < 16; ++p) _mm512_storeu_ps(reinterpret_cast<float*>(steps + p * stride), v[p]);
   }
 }
 
@@ -878,37 +867,48 @@ inline __m256i dequantized_pairs(__m256i levels, float s, float z) {
                          _mm256_and_si256(bf16_rounded(second), _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
 }
 
-// Rows [row0, row0 + 16 * blocks) of W in bf16, in the packed layout: for each pair of inputs, each block's 16 rows
-// side by side. 8 rows by 8 pairs at a time, dequantized, then transposed.
+// dequantize_group's contract (AVX-512's above), bf16 only: 8 rows by 8 pairs at a time, dequantized, then transposed.
+template <typename T, typename Weights>
+void dequantize_group(const Weights& weights, int64_t first, int64_t g, const float* s, const float* z, T* steps,
+                      int64_t stride) {
+  static_assert(std::is_same_v<T, c10::BFloat16>, "AVX2's packed tiles take bf16 only");
+  constexpr int64_t chunk = Int8Vectors::chunk;
+  for (int rows = 0; rows < 16; rows += 8)
+    for (int half = 0; half < 2; ++half) {  // pairs 8 half .. 8 half + 7 of the group
+      __m256 v[8];
+      for (int r = 0; r < 8; ++r) {
+        const int row = rows + r;
+        v[r] = _mm256_castsi256_ps(dequantized_pairs(weights.levels16(first + row, g, half), s[row * chunk],
+                                                     z[row * chunk]));
+      }
+      transpose8(v);
+      for (int p = 0; p < 8; ++p)
+        _mm256_storeu_ps(reinterpret_cast<float*>(steps + (8 * half + p) * stride + 2 * rows), v[p]);
+    }
+}
+#endif
+
+// Rows [row0, row0 + 16 * blocks) of W in T, in the packed layout: for each step (fp32: an input; bf16: a pair of
+// inputs), each block's 16 rows side by side.
 template <typename T, typename Weights>
 void dequantize_packed(const Weights& weights, int64_t row0, int64_t blocks, T* out) {
-  static_assert(std::is_same_v<T, c10::BFloat16>, "AVX2's packed tiles take bf16 only");
-  const int64_t groups = weights.groups();
+  using liteinfer::packed::PAIR;
+  constexpr int64_t chunk = Int8Vectors::chunk;
+  const int64_t groups = weights.groups(), stride = blocks * 16 * PAIR<T>;  // a step of all the blocks, in T
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t first = row0 + b * 16;
-    for (int64_t g0 = 0; g0 < groups; g0 += Int8Vectors::chunk) {
-      const int64_t count = std::min(Int8Vectors::chunk, groups - g0);
-      alignas(64) float s[16][Int8Vectors::chunk], z[16][Int8Vectors::chunk];  // [row][group]
+    for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
+      const int64_t count = std::min(chunk, groups - g0);
+      alignas(64) float s[16][chunk], z[16][chunk];  // [row][group]
       for (int r = 0; r < 16; ++r) dequantizing_factors(weights, first + r, g0, count, s[r], z[r]);
       for (int64_t j = 0; j < count; ++j) {
         const int64_t g = g0 + j;
-        for (int rows = 0; rows < 16; rows += 8)
-          for (int half = 0; half < 2; ++half) {  // pairs 8 half .. 8 half + 7 of the group
-            __m256 v[8];
-            for (int r = 0; r < 8; ++r)
-              v[r] = _mm256_castsi256_ps(
-                  dequantized_pairs(weights.levels16(first + rows + r, g, half), s[rows + r][j], z[rows + r][j]));
-            transpose8(v);
-            for (int p = 0; p < 8; ++p) {
-              T* step = out + ((g * kInt8Group / 2 + 8 * half + p) * blocks + b) * 32;
-              _mm256_storeu_ps(reinterpret_cast<float*>(step + 2 * rows), v[p]);
-            }
-          }
+        T* steps = out + g * kInt8Group / PAIR<T> * stride + b * 16 * PAIR<T>;  // the group's first step, block b
+        dequantize_group(weights, first, g, &s[0][j], &z[0][j], steps, stride);
       }
     }
   }
 }
-#endif
 
 // y [m, n]: each thread takes a contiguous share of W's groups of 48 rows, dequantizes each once, and runs every row
 // of x over it, ROWS rows a tile (x from L2 or L3; the group, 48 x k in T, stays in L2).
