@@ -54,10 +54,9 @@ CPUs with AVX2, int8 and int4 weights are multiplied in integers against x round
 inputs (each input off by at most half of its group's largest |x| / 32767). Batches of five rows or more meet them
 dequantized instead: bf16 x on CPUs with AMX in AMX tiles; otherwise, on CPUs with AVX-512 BF16 and where the output
 count is a multiple of 16, in the packed linears' tiles (on CPUs with AVX2 alone: bf16 x, from sixteen rows).
-Dequantized, fp32 meets the weights exactly and bf16 meets
-them rounded to bf16 (off by at most half a bf16 step, as the bf16 model's own are), so that a row alone and the
-same row in such a batch can differ by those roundings. `gemv_quantized_form(dtype, rows, outputs)` -> "integer",
-"amx" or "dequantized" names the form a shape takes.
+Dequantized, fp32 meets the weights exactly and bf16 meets them rounded to bf16 (off by at most half a bf16 step, as
+the bf16 model's own are), so that a row alone and the same row in such a batch can differ by those roundings.
+`gemv_quantized_form(dtype, rows, outputs)` -> "integer", "amx" or "dequantized" names the form a shape takes.
 
 `argmax(logits [rows, vocab] fp32 or bf16)` -> [rows] int64: the first index of each row's largest value, as
 `torch.argmax` gives it, except that NaN is skipped rather than taken as the largest.
