@@ -543,18 +543,14 @@ struct Int4Rows {
   void dot(int64_t row, const RowRef* x, float* out) const {
     dot_rows_int4<R>(w + row * k / 2, x, scales(row), scales(row) + groups(), groups(), out);
   }
-#if defined(__AVX512F__)
-  __m512i levels(int64_t row, int64_t g, int half) const {  // nibble 2 (g % 2) + half of the block's lanes
-    const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + row * k / 2 + g / 2 * kGroup / 2));
-    const __m256i shifted = _mm256_srli_epi16(lanes, 4 * (2 * (g % 2) + half));
-    return _mm512_cvtepu16_epi32(_mm256_and_si256(shifted, _mm256_set1_epi16(0xF)));
-  }
-#endif
-#if defined(LITEINFER_PACKED_AVX2)
-  __m256i levels16(int64_t row, int64_t g, int half) const {
+#if defined(__AVX2__)
+  __m256i levels16(int64_t row, int64_t g, int half) const {  // nibble 2 (g % 2) + half of the block's lanes
     const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + row * k / 2 + g / 2 * kGroup / 2));
     return _mm256_and_si256(_mm256_srli_epi16(lanes, 4 * (2 * (g % 2) + half)), _mm256_set1_epi16(0xF));
   }
+#endif
+#if defined(__AVX512F__)
+  __m512i levels(int64_t row, int64_t g, int half) const { return _mm512_cvtepu16_epi32(levels16(row, g, half)); }
 #endif
 };
 
