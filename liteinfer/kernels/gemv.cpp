@@ -346,8 +346,10 @@ inline void dot_rows_int8(const int8_t* w, const Int16Inputs* const* inputs, con
       V::store(factors[r], V::mul(s, V::load(inputs[r]->group_scales.data() + g0)));
       offsets[r] = V::fma(z, V::load(inputs[r]->sums.data() + g0), offsets[r]);
     }
-    const char* ahead = reinterpret_cast<const char*>(w + g0 * kInt8Group) + kInt8PrefetchAhead;
-    for (int64_t line = 0; line < count * kInt8Group; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    // An address, not a pointer into W: in W's last rows it runs past W's end, where a prefetch does not fault.
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(w + g0 * kInt8Group) + kInt8PrefetchAhead;
+    for (int64_t line = 0; line < count * kInt8Group; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
     for (int64_t j = 0; j < count; ++j) {
       const typename V::Levels levels = V::load(w + (g0 + j) * kInt8Group);
 #pragma GCC unroll 4
