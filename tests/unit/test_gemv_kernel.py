@@ -236,6 +236,21 @@ def test_gemv_on_int4_weights_matches_fp32_arithmetic(rows, out_features, blocks
     assert_quantized_gemv_close(out, x, weight.dequantized(torch.float32), bias, {"atol": 1e-4, "rtol": 1e-5})
 
 
+@pytest.mark.parametrize("weight_cls", [Int8Weight, Int4Weight])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_on_quantized_weights_reads_every_length_of_a_rows_last_chunk(weight_cls, dtype):
+    """A row's scales and zeros are read a chunk of groups at a time (8 with AVX2, 16 with AVX-512) and its last
+    chunk through masks: rows of 1 to 18 groups (int4: even counts, two groups a block) end in every length of it,
+    odd ones included, and the last row's zeros end the tensor."""
+    assert kernels.load()
+    gen = torch.Generator().manual_seed(0)
+    for groups in range(2 if weight_cls is Int4Weight else 1, 19, 2 if weight_cls is Int4Weight else 1):
+        x = torch.randn(1, groups * INT8_GROUP_SIZE, generator=gen).to(dtype)
+        weight = weight_cls.from_float(torch.randn(3, x.shape[1], generator=gen).to(dtype))
+        out = torch.ops.liteinfer.gemv(x, weight.q, weight.scales_and_zeros, None)
+        assert_quantized_gemv_close(out, x, weight.dequantized(torch.float32), None, FP32_REORDERED)
+
+
 def test_gemv_int4_layout_is_undone_by_gemv_int4_levels():
     q = torch.randint(0, 16, (5, 3 * 64), dtype=torch.int32)
     packed = gemv_int4_layout(q)
