@@ -36,6 +36,15 @@ inline float dot_row(const weight_t* w, const x_t* x, int64_t k) {
   return sum;
 }
 
+#if defined(__AVX2__)
+// The first `count` (0..8) of eight 32-bit lanes set: the mask of AVX2's masked loads, which read nothing under a
+// clear lane (so nothing past an array's end), where a copy into a zeroed array read back as one vector waits on the
+// copy's narrow stores (failed store forwarding).
+inline __m256i first_lanes(int64_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (BW: bf16's masked tail)
 // One multiply-add step of a row's dot product, per pair of dtypes: `width` weights at w against x, summed into
 // an fp32 vector; `tail` does the same for the last count < width under a mask (masking every load ran at half the
@@ -77,19 +86,9 @@ inline __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
 inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
 #define LITEINFER_GEMV_VECTOR
 #elif defined(__AVX2__) && defined(__FMA__)
-// The same steps in 8 lanes (AVX2 CPUs; bf16 keeps the portable loop there). With no
-// masked byte loads, a tail is copied into zeroed registers' worth of memory first.
+// The same steps in 8 lanes (AVX2 CPUs; bf16 keeps the portable loop there).
 template <typename weight_t, typename x_t>
 struct Step;
-
-template <typename weight_t, typename x_t, typename S>
-inline __m256 tail_through_copy(__m256 acc, const weight_t* w, const x_t* x, int64_t count) {
-  weight_t w_tail[S::width] = {};
-  x_t x_tail[S::width] = {};
-  std::copy(w, w + count, w_tail);
-  std::copy(x, x + count, x_tail);
-  return S::full(acc, w_tail, x_tail);
-}
 
 template <>
 struct Step<float, float> {
@@ -99,7 +98,8 @@ struct Step<float, float> {
     return _mm256_fmadd_ps(_mm256_loadu_ps(w), _mm256_loadu_ps(x), acc);
   }
   static __m256 tail(__m256 acc, const float* w, const float* x, int64_t count) {
-    return tail_through_copy<float, float, Step>(acc, w, x, count);
+    const __m256i mask = first_lanes(count);
+    return _mm256_fmadd_ps(_mm256_maskload_ps(w, mask), _mm256_maskload_ps(x, mask), acc);
   }
 };
 
@@ -304,21 +304,18 @@ struct Int8Vectors {
   static Float widen_bits(__m128i bits, const c10::BFloat16*) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
   }
-  // A row's last chunk (count < 8) is read by masked loads, an odd last value blended in: nothing past v[count - 1]
-  // (which may be the tensor's end), and no copy into a zeroed array read back as one vector, whose load waits on
-  // the copy's narrow stores (failed store forwarding). SmolLM2's rows of 576 inputs end in a chunk of 2 groups:
-  // on the AMD Zen 3 that wait held ~30% of a one-row int4 call's samples, and the engine's one-request int8 and
-  // int4 steps took 4-6% less time without it (docs/benchmarks.md).
+  // A row's last chunk (count < 8) is read by masked loads (`first_lanes`), an odd last 16-bit value blended in:
+  // nothing past v[count - 1], which may be the tensor's end. SmolLM2's rows of 576 inputs end in a chunk of 2
+  // groups; read through a copy, the wait on its stores held ~30% of a one-row int4 call's samples on the AMD Zen 3,
+  // and the engine's one-request int8 and int4 steps took 4-6% less time without it (docs/benchmarks.md).
   template <typename T>
   static Float widen(const T* v, int64_t count) {
     const int32_t n = static_cast<int32_t>(count);
     if constexpr (std::is_same_v<T, float>) {
-      if (n == chunk) return _mm256_loadu_ps(v);
-      return _mm256_maskload_ps(v, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+      return n == chunk ? _mm256_loadu_ps(v) : _mm256_maskload_ps(v, first_lanes(n));
     } else {
       if (n == chunk) return widen_bits(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)), v);
-      __m128i bits = _mm_maskload_epi32(reinterpret_cast<const int*>(v),
-                                        _mm_cmpgt_epi32(_mm_set1_epi32(n / 2), _mm_setr_epi32(0, 1, 2, 3)));
+      __m128i bits = _mm_maskload_epi32(reinterpret_cast<const int*>(v), _mm256_castsi256_si128(first_lanes(n / 2)));
       if (n % 2) {
         int16_t last;
         std::memcpy(&last, v + n - 1, sizeof(last));

@@ -244,7 +244,8 @@ def test_gemv_on_quantized_weights_reads_every_length_of_a_rows_last_chunk(weigh
     odd ones included, and the last row's zeros end the tensor."""
     assert kernels.load()
     gen = torch.Generator().manual_seed(0)
-    for groups in range(2 if weight_cls is Int4Weight else 1, 19, 2 if weight_cls is Int4Weight else 1):
+    step = 2 if weight_cls is Int4Weight else 1
+    for groups in range(step, 19, step):
         x = torch.randn(1, groups * INT8_GROUP_SIZE, generator=gen).to(dtype)
         weight = weight_cls.from_float(torch.randn(3, x.shape[1], generator=gen).to(dtype))
         out = torch.ops.liteinfer.gemv(x, weight.q, weight.scales_and_zeros, None)
