@@ -152,6 +152,23 @@ def test_gemv_on_quantized_weights_gives_a_row_the_same_result_beside_any_rows(w
 
 
 @pytest.mark.parametrize("weight_cls", [Int8Weight, Int4Weight])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_on_quantized_weights_gives_a_weight_row_the_same_result_beside_any_rows(weight_cls, dtype, rows):
+    """Against one row of x at a time (the integer form's passes over fewer rows than its tile of four), W's rows are
+    summed up four at a time from where a thread's share starts: a row of W must give the same result, to the bit,
+    in any of the four places and alone among a share's last rows, whatever W's rows before it."""
+    assert kernels.load()
+    torch.manual_seed(0)
+    weight = weight_cls.from_float(torch.randn(23, 7 * 64).to(dtype))  # 23 rows: 5 fours and 3 alone, or shifted
+    x = torch.randn(rows, 7 * 64).to(dtype)
+    whole = torch.ops.liteinfer.gemv(x, weight.q, weight.scales_and_zeros, None)
+    for first in range(1, 4):
+        rest = torch.ops.liteinfer.gemv(x, weight.q[first:], weight.scales_and_zeros[first:], None)
+        assert torch.equal(whole[:, first:], rest)
+
+
+@pytest.mark.parametrize("weight_cls", [Int8Weight, Int4Weight])
 @pytest.mark.parametrize(("rows", "out_features", "blocks"), [(5, 40, 2), (16, 49, 24), (17, 32, 1), (33, 96, 9),
                                                               (130, 20, 3)])
 def test_gemv_on_quantized_weights_in_amx_tiles_sums_the_weights_in_bf16(weight_cls, rows, out_features, blocks):
