@@ -337,9 +337,9 @@ struct Int8Vectors {
 // What the quantized rows' dot products leave per row of W and of x: a vector of partial sums. Against one row of x,
 // `quantized_tile` adds up kRowsSummed rows of W's at once (`sum_rows`: one transpose, where each row's own horizontal
 // sum was a chain of shuffles and adds that held its row's end: on the AMD Zen 3 SmolLM2's int4 one-row calls took
-// 7-10% less time in cache and ~4% from memory, int8's the same), each lane in the order `sum_row` adds one row's, so
-// that a row's result does not depend on the rows summed beside it. (Against a tile of four rows of x, each row of W
-// already ends in four sums; gathering four rows of W's there was 1-11% slower.)
+// 7-10% less time in cache and ~4% from memory; int8's, at the read ceiling, as long as before), each lane in the
+// order `sum_row` adds one row's, so that a row's result does not depend on the rows summed beside it. (Against a
+// tile of four rows of x, each row of W already ends in four sums; gathering four rows of W's there was 1-11% slower.)
 using RowSums = Int8Vectors::Float;
 constexpr int kRowsSummed = 4;
 
