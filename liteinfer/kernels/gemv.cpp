@@ -159,6 +159,7 @@ inline float dot_row<c10::BFloat16, c10::BFloat16>(const c10::BFloat16* w, const
 // consecutive inputs' levels as 16-bit integers, with no byte shuffles.
 constexpr int64_t kGroup = 64;  // int4's block of inputs in its layout, and the group x is rounded in below
 constexpr int64_t kInt8Group = 32, kInt4Group = 32;  // the groups that share a scale and a zero
+constexpr int kRowsSummed = 4;  // the rows of W whose sums a one-row call adds up at once (`sum_rows`)
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // On x86 CPUs the products are taken in integers: x is rounded once per call to 16-bit levels per group of 64
@@ -341,7 +342,6 @@ struct Int8Vectors {
 // order `sum_row` adds one row's, so that a row's result does not depend on the rows summed beside it. (Against a
 // tile of four rows of x, each row of W already ends in four sums; gathering four rows of W's there was 1-11% slower.)
 using RowSums = Int8Vectors::Float;
-constexpr int kRowsSummed = 4;
 
 inline __m256 lanes_folded(__m256 v) { return v; }
 #if defined(LITEINFER_GEMV_512)
@@ -492,7 +492,6 @@ inline void dot_rows_int4(const uint8_t* w, const Int16Inputs* const* inputs, co
 #else
 // The portable forms, in fp32 against x as given: a row's sum in one float.
 using RowSums = float;
-constexpr int kRowsSummed = 4;
 inline float sum_row(float v) { return v; }
 inline void sum_rows(const float* rows, float* out) { std::copy_n(rows, kRowsSummed, out); }
 
