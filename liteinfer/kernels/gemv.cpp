@@ -5,7 +5,8 @@
 //
 // At one row a linear layer is a stream through W, bound by memory bandwidth. oneDNN's prepacked matmul reached
 // ~35-42 GB/s on SmolLM2's layers here; streaming W's rows in their checkpoint layout, each thread through its
-// share of rows in address order, reads as fast as a plain read of the same bytes (docs/benchmarks.md).
+// share of rows in address order, a few streams at once, reads as fast as a plain read of the same bytes
+// (docs/benchmarks.md).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -27,14 +28,6 @@
 #include <vector>
 
 namespace {
-
-// y = W[r]·x for one row of W (length k), in fp32. The portable form; the vector ones (AVX-512, AVX2) follow.
-template <typename weight_t, typename x_t>
-inline float dot_row(const weight_t* w, const x_t* x, int64_t k) {
-  float sum = 0.f;
-  for (int64_t i = 0; i < k; ++i) sum += static_cast<float>(w[i]) * static_cast<float>(x[i]);
-  return sum;
-}
 
 #if defined(__AVX2__)
 // The first `count` (0..8) of eight 32-bit lanes set: the mask of AVX2's masked loads, which read nothing under a
@@ -117,39 +110,57 @@ inline float reduce(__m256 v) {
 #endif
 
 #if defined(LITEINFER_GEMV_VECTOR)
-// The row is read front to back, in address order, into four independent sums (one alone stalls on its own
-// add's latency). Reading eight rows side by side against one load of x, as this kernel did before, was 10-15%
-// slower in bf16 and int8: x stays in L1 either way, and one sequential stream per thread is what the hardware
-// prefetcher follows best (docs/benchmarks.md). The sums are four named registers, not an array indexed in a loop:
-// that form kept them in memory and lost the gain.
-template <typename weight_t, typename x_t, typename S = Step<weight_t, x_t>>
-inline float dot_row_vector(const weight_t* w, const x_t* x, int64_t k) {
+// Each row front to back into two interleaved sums (one alone stalls on its add's latency when W is in cache), in
+// the same order whatever N is: a row's result does not depend on the rows read beside it. The sums are an array
+// indexed only in fully unrolled loops, so that they stay in registers.
+template <int N, typename weight_t, typename x_t, typename S = Step<weight_t, x_t>>
+inline void dot_rows_vector(const weight_t* w, int64_t stride, const x_t* x, int64_t k, float* out) {
   constexpr int64_t n = S::width;
   using Vec = typename S::Vec;
-  Vec a0 = zero(Vec{}), a1 = zero(Vec{}), a2 = zero(Vec{}), a3 = zero(Vec{});
+  Vec a[N][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < N; ++r) a[r][0] = a[r][1] = zero(Vec{});
   int64_t i = 0;
-  for (; i + 4 * n <= k; i += 4 * n) {
-    a0 = S::full(a0, w + i, x + i);
-    a1 = S::full(a1, w + i + n, x + i + n);
-    a2 = S::full(a2, w + i + 2 * n, x + i + 2 * n);
-    a3 = S::full(a3, w + i + 3 * n, x + i + 3 * n);
+  for (; i + 2 * n <= k; i += 2 * n) {
+#pragma GCC unroll 8
+    for (int r = 0; r < N; ++r) {
+      a[r][0] = S::full(a[r][0], w + r * stride + i, x + i);
+      a[r][1] = S::full(a[r][1], w + r * stride + i + n, x + i + n);
+    }
   }
-  for (; i + n <= k; i += n) a0 = S::full(a0, w + i, x + i);
-  if (i < k) a1 = S::tail(a1, w + i, x + i, k - i);
-  return reduce(add(add(a0, a1), add(a2, a3)));
+  // What the paired steps leave: one more whole step at most, then a tail shorter than a step.
+  const bool one_more = i + n <= k;
+  const int64_t t = one_more ? i + n : i;
+#pragma GCC unroll 8
+  for (int r = 0; r < N; ++r) {
+    if (one_more) a[r][0] = S::full(a[r][0], w + r * stride + i, x + i);
+    if (t < k) a[r][1] = S::tail(a[r][1], w + r * stride + t, x + t, k - t);
+    out[r] = reduce(add(a[r][0], a[r][1]));
+  }
 }
 
-template <>
-inline float dot_row<float, float>(const float* w, const float* x, int64_t k) {
-  return dot_row_vector(w, x, k);
-}
+// Whether this build multiplies W and x of these dtypes in vectors (a `Step`).
+template <typename weight_t, typename x_t>
+constexpr bool kVectorDtypes = (std::is_same_v<weight_t, float> && std::is_same_v<x_t, float>)
 #if defined(__AVX512BF16__)
-template <>
-inline float dot_row<c10::BFloat16, c10::BFloat16>(const c10::BFloat16* w, const c10::BFloat16* x, int64_t k) {
-  return dot_row_vector(w, x, k);
+                               || (std::is_same_v<weight_t, c10::BFloat16> && std::is_same_v<x_t, c10::BFloat16>)
+#endif
+    ;
+#endif
+
+// out[r] = W[r]·x in fp32 for the N rows W[r] = w + r * stride (length k): in vectors where this build has a Step
+// for the dtypes (above), else a product at a time.
+template <int N, typename weight_t, typename x_t>
+inline void dot_rows(const weight_t* w, int64_t stride, const x_t* x, int64_t k, float* out) {
+#if defined(LITEINFER_GEMV_VECTOR)
+  if constexpr (kVectorDtypes<weight_t, x_t>) return dot_rows_vector<N>(w, stride, x, k, out);
+#endif
+  for (int r = 0; r < N; ++r) {
+    float sum = 0.f;
+    for (int64_t i = 0; i < k; ++i) sum += static_cast<float>(w[r * stride + i]) * static_cast<float>(x[i]);
+    out[r] = sum;
+  }
 }
-#endif
-#endif
 
 // Quantized rows. int8: a scale and a zero per group of 32 inputs, the weight being q * scale + zero, both fp16, a
 // row's scales side by side and then its zeros. int4: a scale and a zero per group of 32 inputs in x's dtype, laid
@@ -550,11 +561,29 @@ inline out_t output(float v, const out_t* bias, int64_t row) {
   return static_cast<out_t>(bias ? v + static_cast<float>(bias[row]) : v);
 }
 
-// y[row] = row_dot(row) (+ bias[row]) for rows 0..n, each thread streaming one contiguous share of W's rows.
-template <typename out_t, typename RowDot>
-void gemv_rows(const RowDot& row_dot, const out_t* bias, out_t* y, int64_t n) {
+// Each thread's share of a float W is cut into this many equal parts, and row i of every part is summed at once
+// (`gemv_rows`): the thread reads W as four streams. On the AMD Zen 3 one stream a thread ran at 19-22 GB/s and two
+// or four at 27-30 (the hardware prefetcher, started afresh at each call, follows one stream too slowly alone):
+// SmolLM2's 121 fp32 one-row linears took ~30% less time, the compiled one-request fp32 step ~20% less. Rows side by
+// side in W (eight, as this kernel once read them) are one stream, and were slower (docs/benchmarks.md).
+constexpr int kStreams = 4;
+
+// y[row] = W[row]·x (+ bias[row]) for float W [n, k]: each thread takes a contiguous share of W's rows, cut into
+// kStreams parts read side by side (row i of every part at once), then the rows a cut leaves over, one at a time.
+template <typename scalar_t>
+void gemv_rows(const scalar_t* w, const scalar_t* x, int64_t k, const scalar_t* bias, scalar_t* y, int64_t n) {
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) y[row] = output(row_dot(row), bias, row);
+    const int64_t part = (end - begin) / kStreams;
+    for (int64_t row = begin; row < begin + part; ++row) {
+      float sums[kStreams];
+      dot_rows<kStreams>(w + row * k, part * k, x, k, sums);
+      for (int s = 0; s < kStreams; ++s) y[row + s * part] = output(sums[s], bias, row + s * part);
+    }
+    for (int64_t row = begin + kStreams * part; row < end; ++row) {
+      float sum;
+      dot_rows<1>(w + row * k, 0, x, k, &sum);
+      y[row] = output(sum, bias, row);
+    }
   });
 }
 
@@ -1082,8 +1111,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
       else
         multiply(Int4Rows<scalar_t>{weight.data_ptr<uint8_t>(), s.data_ptr<scalar_t>(), k});
     } else {
-      const scalar_t* w = weight.data_ptr<scalar_t>();
-      gemv_rows([&](int64_t row) { return dot_row(w + row * k, xs, k); }, b_data, y_data, n);
+      gemv_rows(weight.data_ptr<scalar_t>(), xs, k, b_data, y_data, n);
     }
   };
   x.scalar_type() == at::kFloat ? run(float{}) : run(c10::BFloat16{});

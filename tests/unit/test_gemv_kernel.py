@@ -18,12 +18,12 @@ from liteinfer.layers.quantization import (
     gemv_int4_levels,
 )
 
-# The kernel sums a row in four interleaved parts: sums in a different order differ by ~1e-6 in fp32 (up to 300
-# products here); rounded to bf16 they can then land one step apart, a relative 2^-8 to 2^-7 of the value.
+# The kernel sums a row in interleaved parts: sums in a different order differ by ~1e-6 in fp32 (up to 300 products
+# here); rounded to bf16 they can then land one step apart, a relative 2^-8 to 2^-7 of the value.
 FP32_REORDERED = {"atol": 1e-5, "rtol": 1e-5}
 BF16_ONE_STEP = {"atol": 1e-5, "rtol": 2**-7}
-# Row lengths that take every path of a float row's dot product: four vectors at a time (AVX-512: 64 fp32 or 128
-# bf16 values; AVX2: 32 fp32), then one at a time, then a tail shorter than a vector.
+# Row lengths that take every path of a float row's dot product: two vectors at a time (AVX-512: 32 fp32 or 64 bf16
+# values; AVX2: 16 fp32), then one more, then a tail shorter than a vector.
 IN_FEATURES = st.integers(1, 300)
 # Quantized weights' output counts: any (the integer form), and whole blocks of 16 in groups of one to three blocks
 # and past them (the packed tiles', where batches of five rows or more take them).
@@ -57,6 +57,23 @@ def test_gemv_matches_fp32_linear(out_features, in_features, dtype, with_bias, s
         torch.testing.assert_close(out, expected, **FP32_REORDERED)
     else:  # the fp32 sums differ in order only; rounded to bf16 they can land one step apart (up to 2^-7)
         torch.testing.assert_close(out.float(), expected.float(), **BF16_ONE_STEP)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [8, 300])
+def test_gemv_gives_a_float_weight_row_the_same_result_beside_any_rows(dtype, in_features):
+    """Each thread reads its share of W's rows as four parts side by side, and the rows that cutting it in four
+    leaves over one at a time: a row of W must give the same result, to the bit, in any part and alone, whatever W's
+    rows before it."""
+    assert kernels.load()
+    torch.manual_seed(0)
+    weight = torch.randn(83, in_features).to(dtype)  # two shares of ~41 rows: four parts of ten, one or two left
+    x = torch.randn(1, in_features).to(dtype)
+    whole = torch.ops.liteinfer.gemv(x, weight, None, None)
+    for first in range(1, 12):
+        assert torch.equal(whole[:, first:], torch.ops.liteinfer.gemv(x, weight[first:], None, None))
+    for row in range(0, 83, 7):
+        assert torch.equal(whole[:, row:row + 1], torch.ops.liteinfer.gemv(x, weight[row:row + 1], None, None))
 
 
 def int16_rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
