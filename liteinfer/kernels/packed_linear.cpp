@@ -125,7 +125,29 @@ void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, 
     const int64_t m_end = std::min(m, m0 + M_BLOCK), num_tiles = (m_end - m0 + ROWS - 1) / ROWS;
     // Each thread takes a contiguous share of the groups of blocks: one stream through its part of W.
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
+      int64_t g = begin;
+#if defined(LITEINFER_PACKED_AVX2)
+      // One row on AVX2: the share's whole groups cut into GROUPS equal parts, read side by side (a stream each,
+      // packed_tile.h: row_of_groups), then the groups a cut leaves over as below. (AVX-512 CPUs keep one stream:
+      // not measured there.)
+      if (m == 1) {
+        using liteinfer::packed::GROUPS;
+        const int64_t whole = blocks / BLOCKS, part = std::max<int64_t>(0, std::min(end, whole) - begin) / GROUPS;
+        for (; g < begin + part; ++g) {
+          std::array<const T*, GROUPS> ws, bs;
+          std::array<T*, GROUPS> ys;
+          for (int j = 0; j < GROUPS; ++j) {
+            const int64_t group = g + j * part;
+            ws[j] = w + group * BLOCKS * block_size;
+            bs[j] = bias ? bias + group * BLOCKS * 16 : nullptr;
+            ys[j] = y + group * BLOCKS * 16;
+          }
+          liteinfer::packed::row_of_groups(x, k, ws, bs, ys);
+        }
+        g = begin + GROUPS * part;
+      }
+#endif
+      for (; g < end; ++g) {
         const int64_t b0 = g * BLOCKS, nb = std::min(BLOCKS, blocks - b0);
         const T* group = w + b0 * block_size;
         // The thread's next group, a line per step of every tile but the last: the tiles before it prefetch a

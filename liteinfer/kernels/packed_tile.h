@@ -138,43 +138,63 @@ inline __m256 second_of_pairs(__m256i v) {
 }
 
 // y[R rows, 16 * NBP outputs] = x[R rows] . NBP consecutive blocks of a group whose steps are `stride` elements
-// (the group's blocks interleave step by step).
-template <int R, int NBP>
-void pass(const c10::BFloat16* x, int64_t k, const c10::BFloat16* w, int64_t stride, const c10::BFloat16* bias,
-          c10::BFloat16* y, int64_t n, Prefetch prefetch) {
-  __m256 acc[R][NBP][2];
+// (the group's blocks interleave step by step), for each of G groups (w, bias and y per group). G groups are read
+// step by step together, as G streams (one row of x: `row_of_groups`); each output's sum takes the same
+// operations in the same order whatever G is.
+template <int R, int NBP, int G = 1>
+void pass(const c10::BFloat16* x, int64_t k, std::array<const c10::BFloat16*, G> w, int64_t stride,
+          std::array<const c10::BFloat16*, G> bias, std::array<c10::BFloat16*, G> y, int64_t n,
+          Prefetch prefetch) {
+  __m256 acc[G][R][NBP][2];
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
 #pragma GCC unroll 3
-    for (int b = 0; b < NBP; ++b) acc[r][b][0] = acc[r][b][1] = _mm256_setzero_ps();
+      for (int b = 0; b < NBP; ++b) acc[g][r][b][0] = acc[g][r][b][1] = _mm256_setzero_ps();
   for (int64_t s = 0; s < k / 2; ++s) {
     if (s < prefetch.lines) _mm_prefetch(prefetch.next + s * LINE, _MM_HINT_T1);
-#pragma GCC unroll 3
-    for (int b = 0; b < NBP; ++b) {
-      const c10::BFloat16* step = w + s * stride + b * 32;
-      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step));  // outputs 0-7
-      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 16));  // 8-15
-      const __m256 lo_first = first_of_pairs(lo), lo_second = second_of_pairs(lo);
-      const __m256 hi_first = first_of_pairs(hi), hi_second = second_of_pairs(hi);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m256i pair = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * k + 2 * s));
-        const __m256 x_first = first_of_pairs(pair), x_second = second_of_pairs(pair);
-        acc[r][b][0] = _mm256_fmadd_ps(lo_second, x_second, _mm256_fmadd_ps(lo_first, x_first, acc[r][b][0]));
-        acc[r][b][1] = _mm256_fmadd_ps(hi_second, x_second, _mm256_fmadd_ps(hi_first, x_first, acc[r][b][1]));
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 3
+      for (int b = 0; b < NBP; ++b) {
+        const c10::BFloat16* step = w[g] + s * stride + b * 32;
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step));  // outputs 0-7
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 16));  // 8-15
+        const __m256 lo_first = first_of_pairs(lo), lo_second = second_of_pairs(lo);
+        const __m256 hi_first = first_of_pairs(hi), hi_second = second_of_pairs(hi);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256i pair = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * k + 2 * s));
+          const __m256 x_first = first_of_pairs(pair), x_second = second_of_pairs(pair);
+          acc[g][r][b][0] = _mm256_fmadd_ps(lo_second, x_second, _mm256_fmadd_ps(lo_first, x_first, acc[g][r][b][0]));
+          acc[g][r][b][1] = _mm256_fmadd_ps(hi_second, x_second, _mm256_fmadd_ps(hi_first, x_first, acc[g][r][b][1]));
+        }
       }
-    }
   }
   alignas(32) float sums[16];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NBP; ++b) {
-      _mm256_store_ps(sums, acc[r][b][0]);
-      _mm256_store_ps(sums + 8, acc[r][b][1]);
-      for (int j = 0; j < 16; ++j) {  // rounded to nearest even, as the AVX-512 tile's store
-        const float v = bias ? sums[j] + static_cast<float>(bias[b * 16 + j]) : sums[j];
-        y[r * n + b * 16 + j] = static_cast<c10::BFloat16>(v);
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NBP; ++b) {
+        _mm256_store_ps(sums, acc[g][r][b][0]);
+        _mm256_store_ps(sums + 8, acc[g][r][b][1]);
+        for (int j = 0; j < 16; ++j) {  // rounded to nearest even, as the AVX-512 tile's store
+          const float v = bias[g] ? sums[j] + static_cast<float>(bias[g][b * 16 + j]) : sums[j];
+          y[g][r * n + b * 16 + j] = static_cast<c10::BFloat16>(v);
+        }
       }
-    }
+}
+
+// One row of x against GROUPS whole groups (BLOCKS blocks each) at once, read side by side: a stream each through
+// W. A thread reading one stream (the one-row tile below) is held by the hardware prefetcher, which follows a single
+// stream too slowly when each call starts it afresh: on the AMD Zen 3 SmolLM2's one-row bf16 linears took ~10% less
+// time read as four streams a thread, 6-8% as two (docs/benchmarks.md). Four groups' sums (24 vectors) do not fit
+// AVX2's 16 registers; the spilled ones cost less than the time a step's weights take to arrive from DRAM.
+constexpr int GROUPS = 4;
+inline void row_of_groups(const c10::BFloat16* x, int64_t k, const std::array<const c10::BFloat16*, GROUPS>& w,
+                          const std::array<const c10::BFloat16*, GROUPS>& bias,
+                          const std::array<c10::BFloat16*, GROUPS>& y) {
+  pass<1, BLOCKS, GROUPS>(x, k, w, BLOCKS * 32, bias, y, 0, Prefetch{nullptr, 0});
 }
 
 // The AVX-512 tile's contract (y[MT rows, 16 * NB outputs] = x[MT rows] . the group of NB blocks at `w`). One row
@@ -184,16 +204,16 @@ template <typename T, int MT, int NB>
 void tile(const T* x, int64_t k, const T* w, const T* bias, T* y, int64_t n, Prefetch prefetch) {
   constexpr int64_t stride = NB * 32;  // a step of the group: NB blocks of 16 outputs' pairs
   if constexpr (MT == 1) {
-    pass<1, NB>(x, k, w, stride, bias, y, n, prefetch);
+    pass<1, NB>(x, k, {w}, stride, {bias}, {y}, n, prefetch);
   } else {
     constexpr int first_rows = std::min(MT, PASS_ROWS);
     for (int b = 0; b < NB; ++b) {
       const T* block_bias = bias ? bias + b * 16 : nullptr;
-      pass<first_rows, 1>(x, k, w + b * 32, stride, block_bias, y + b * 16, n,
+      pass<first_rows, 1>(x, k, {w + b * 32}, stride, {block_bias}, {y + b * 16}, n,
                           b == 0 ? prefetch : Prefetch{nullptr, 0});
       if constexpr (MT > PASS_ROWS) {
-        pass<MT - PASS_ROWS, 1>(x + PASS_ROWS * k, k, w + b * 32, stride, block_bias, y + PASS_ROWS * n + b * 16, n,
-                                Prefetch{nullptr, 0});
+        pass<MT - PASS_ROWS, 1>(x + PASS_ROWS * k, k, {w + b * 32}, stride, {block_bias}, {y + PASS_ROWS * n + b * 16},
+                                n, Prefetch{nullptr, 0});
       }
     }
   }
