@@ -564,7 +564,7 @@ inline out_t output(float v, const out_t* bias, int64_t row) {
 // Each thread's share of a float W is cut into this many equal parts, and row i of every part is summed at once
 // (`gemv_rows`): the thread reads W as four streams. On the AMD Zen 3 one stream a thread ran at 19-22 GB/s and two
 // or four at 27-30 (the hardware prefetcher, started afresh at each call, follows one stream too slowly alone):
-// SmolLM2's 121 fp32 one-row linears took ~30% less time, the compiled one-request fp32 step ~20% less. Rows side by
+// SmolLM2's 121 fp32 one-row linears took ~28% less time, the compiled one-request fp32 step ~19% less. Rows side by
 // side in W (eight, as this kernel once read them) are one stream, and were slower (docs/benchmarks.md).
 constexpr int kStreams = 4;
 
