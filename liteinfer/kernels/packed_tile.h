@@ -199,7 +199,10 @@ inline void row_of_groups(const c10::BFloat16* x, int64_t k, const std::array<co
 
 // The AVX-512 tile's contract (y[MT rows, 16 * NB outputs] = x[MT rows] . the group of NB blocks at `w`). One row
 // takes the whole group in one pass, front to back (6 sums), as a stream from DRAM; more rows go PASS_ROWS at a
-// time over one block each, the group in L2 after the first pass. The first pass prefetches.
+// time over one block each, the group in L2 after the first pass. Each block's first pass prefetches a line a step,
+// from where the block before it stopped: a lone tile (2-8 rows) asks for up to three blocks' worth, the thread's
+// whole next group, where asking for one block's worth left the rest to the hardware prefetcher (on the AMD Zen 3
+// SmolLM2's linears at 2-8 rows took 0.71-0.80x the time, 16 rows 0.88x, 32 rows level; docs/benchmarks.md).
 template <typename T, int MT, int NB>
 void tile(const T* x, int64_t k, const T* w, const T* bias, T* y, int64_t n, Prefetch prefetch) {
   constexpr int64_t stride = NB * 32;  // a step of the group: NB blocks of 16 outputs' pairs
@@ -209,8 +212,9 @@ void tile(const T* x, int64_t k, const T* w, const T* bias, T* y, int64_t n, Pre
     constexpr int first_rows = std::min(MT, PASS_ROWS);
     for (int b = 0; b < NB; ++b) {
       const T* block_bias = bias ? bias + b * 16 : nullptr;
+      const int64_t asked = b * (k / 2);  // the lines the blocks' first passes before this one asked for
       pass<first_rows, 1>(x, k, {w + b * 32}, stride, {block_bias}, {y + b * 16}, n,
-                          b == 0 ? prefetch : Prefetch{nullptr, 0});
+                          Prefetch{prefetch.next + asked * LINE, std::max<int64_t>(0, prefetch.lines - asked)});
       if constexpr (MT > PASS_ROWS) {
         pass<MT - PASS_ROWS, 1>(x + PASS_ROWS * k, k, {w + b * 32}, stride, {block_bias}, {y + PASS_ROWS * n + b * 16},
                                 n, Prefetch{nullptr, 0});
