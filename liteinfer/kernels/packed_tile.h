@@ -214,7 +214,8 @@ void tile(const T* x, int64_t k, const T* w, const T* bias, T* y, int64_t n, Pre
       const T* block_bias = bias ? bias + b * 16 : nullptr;
       const int64_t asked = b * (k / 2);  // the lines the blocks' first passes before this one asked for
       pass<first_rows, 1>(x, k, {w + b * 32}, stride, {block_bias}, {y + b * 16}, n,
-                          Prefetch{prefetch.next + asked * LINE, std::max<int64_t>(0, prefetch.lines - asked)});
+                          prefetch.lines > asked ? Prefetch{prefetch.next + asked * LINE, prefetch.lines - asked}
+                                                 : Prefetch{nullptr, 0});
       if constexpr (MT > PASS_ROWS) {
         pass<MT - PASS_ROWS, 1>(x + PASS_ROWS * k, k, {w + b * 32}, stride, {block_bias}, {y + PASS_ROWS * n + b * 16},
                                 n, Prefetch{nullptr, 0});
