@@ -150,11 +150,10 @@ void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, 
       for (; g < end; ++g) {
         const int64_t b0 = g * BLOCKS, nb = std::min(BLOCKS, blocks - b0);
         const T* group = w + b0 * block_size;
-        // The thread's next group, a line per step of every tile but the last: the tiles before it prefetch a
-        // block each, enough for the whole group from four tiles (32 rows) up; a lone tile prefetches one block
-        // (AVX-512: its one pass), as far as the hardware's own prefetcher does not already run ahead, or on AVX2
-        // the whole group, a block in each block's first pass (packed_tile.h), where the tiles of fewer than four
-        // also ask for the blocks past their own.
+        // The thread's next group, a line per step of every tile but the last, tile t from the t-th block's worth
+        // on: from four tiles (32 rows) up that covers the whole group. A lone tile asks for one block's worth on
+        // AVX-512 CPUs (its one pass; the hardware's prefetcher runs ahead of the rest) and for the whole group on
+        // AVX2 (a block's worth in each of its blocks' passes, packed_tile.h).
         const int64_t next_lines = g + 1 < end ? std::min(BLOCKS, blocks - b0 - nb) * lines_per_block : 0;
         for (int64_t t = 0; t < num_tiles; ++t) {
           const int64_t r0 = m0 + t * ROWS, first = t * lines_per_block;
