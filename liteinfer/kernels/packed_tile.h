@@ -124,8 +124,9 @@ void tile(const T* x, int64_t k, const T* w, const T* bias, T* y, int64_t n, Pre
 // (32 rows: 101 vs 129 ms; 128 rows: 262 vs 484), while PyTorch's bf16 matmul ran ~6x slower than this one
 // (docs/benchmarks.md). With no bf16 products, pairs are widened in registers: a 32-bit lane holds one output's
 // weights for the step's two inputs (or the two inputs of x), the first in the low half; shifted up, the low half
-// is the first in fp32, and masked, the high half is the second. (x widened to fp32 once per call instead ran 8%
-// slower at 32 rows and 48% at 128: twice the bytes per row in L2, and two broadcasts per pair.)
+// is the first in fp32, and masked, the high half is the second. (x widened to fp32 once per call instead, each input
+// broadcast from memory, ran 8-18% slower at 32 rows and 18-48% at 128, and slower with everything in L1 too: two
+// broadcasts a pair cost more than one and its two widenings.)
 
 // 16 registers of 8 lanes: a block of 16 outputs is two vectors, so a tile of several rows takes them four at a time
 // (4 x 2 sums, the block's weights for both inputs, a row's two inputs), each block of the group in its own pass;
