@@ -1,10 +1,16 @@
 """Shared fixtures: the real SmolLM2 files, and tiny random-weight Llama models saved the Hugging Face way."""
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU, the Triton kernels' tests run them on CPU tensors through Triton's interpreter. The switch is read
+# when Triton is imported, which torch.compile's modules do, so it is set here, before any test module can.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def smollm2_gguf_path() -> Path:

@@ -20,8 +20,10 @@ What the graph does differently from eager, and why:
   specialises sizes 0 and 1) and block tables are padded to two columns: two compiles in all, both made by
   `warm_up` when the engine starts, so no request waits for one. Graphs whose weights are all packed for our
   kernel are kept in inductor's on-disk graph cache, keyed by the weights' shapes (the model's own weights are
-  bound to them when loaded): SmolLM2 starts in 20-25 s on 2 cores once cached, ~75 s before. Frozen oneDNN
-  weights cannot be pickled, so a graph that holds any bypasses that cache and compiles at every start.
+  bound to them when loaded): SmolLM2's two compile in 20-25 s on 2 Zen 4 cores once cached, ~75 s before (45 s
+  and ~3 min on a Zen 3). Frozen oneDNN weights cannot be pickled, so a graph that holds any bypasses that cache and
+  compiles at every start. Most of a cached start is dynamo's tracing and AOTAutograd, whose own cache refuses
+  frozen graphs: unfrozen, the start halves but each one-row step is 2-4% slower (docs/benchmarks.md).
 - Guards on module attributes are skipped (they cost about 1 ms per step with quantized weights, checked every
   call): the graphs read no weight from the module, and the pool tensors are never rebound.
 - On CUDA the graph is replayed as CUDA graphs (inductor's cudagraph trees), captured the first times each padded

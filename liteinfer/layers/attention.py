@@ -8,9 +8,10 @@ at positions up to its own (and within the sliding window, for layers that have 
 The pools hold K/V in the model's dtype, or in bytes at a scale per row (`kv_cache_dtype="int8"`), which the kernels
 read as they lie and the other paths dequantize after gathering.
 
-Single-token steps (decodes) are batched into one call: on CPU, our kernel that reads each sequence's blocks where
-they lie in the pool (liteinfer.kernels); elsewhere, or where it could not be built, a grouped matmul over a
-gathered copy of the blocks. Multi-token steps (a prefill or a chunk of one) are batched into one call of our prompt
+Single-token steps (decodes) are batched into one call of a kernel that reads each sequence's blocks where they lie
+in the pool: on CPU ours in C++ (liteinfer.kernels), on CUDA ours in Triton (kernels/triton_attention.py) where
+Triton is installed; elsewhere, or where the C++ kernels could not be built, a grouped matmul over a gathered copy of
+the blocks. Multi-token steps (a prefill or a chunk of one) are batched into one call of our prompt
 kernel on AVX-512 CPUs (head sizes 64 and 128, no soft-capping, up to 1,024 keys); otherwise each runs on its own
 through PyTorch's fused scaled-dot-product attention. Either way a long prefill never pads the decodes that share
 its step and never materialises its [queries, keys] score matrix.
@@ -26,6 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from liteinfer import kernels
+
+try:  # CUDA's decode kernel; CPU-only machines need no Triton
+    from liteinfer.kernels.triton_attention import paged_decode_attention as triton_paged_decode_attention
+except ImportError:
+    triton_paged_decode_attention = None
 
 PROMPT_KERNEL_MAX_KEYS = 1024  # see PagedAttention._prompt_kernel_takes
 
@@ -186,6 +192,10 @@ class PagedAttention(nn.Module):
                 q, self.k_cache, self.v_cache, block_tables, positions, self.scale, self.sliding_window or 0,
                 self.logit_softcap or 0.0, self.k_scales, self.v_scales,
             )
+            return out.flatten(1)
+        if q.is_cuda and triton_paged_decode_attention is not None and self.k_scales is None:
+            out = triton_paged_decode_attention(q, self.k_cache, self.v_cache, block_tables, positions, self.scale,
+                                                self.sliding_window or 0, self.logit_softcap or 0.0)
             return out.flatten(1)
         keys, values = self._gather(block_tables, q.dtype)  # [kv_heads, D, keys, dim]
         return self._attend_gathered_decodes(q, keys, values, positions)

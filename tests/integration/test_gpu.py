@@ -1,9 +1,12 @@
 """CUDA parity: the same engine on the GPU gives transformers' greedy tokens (run where a GPU is lent)."""
 
+from unittest import mock
+
 import pytest
 import torch
 
 from liteinfer import LLM, SamplingParams
+from liteinfer.layers import attention
 
 pytestmark = pytest.mark.gpu
 
@@ -32,3 +35,14 @@ def test_cuda_graphs_decode_gives_eager_greedy_tokens(tiny_llama_dir):
     assert llm.engine.runner.compiled.cuda_graphs
     assert [out.outputs[0].token_ids for out in llm.generate(prompts, params)] == eager  # batch 4, then 3 ... 1
     assert [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts] == eager
+
+
+def test_cuda_decodes_attend_through_the_triton_kernel(tiny_llama_dir):
+    """Decode attention on CUDA runs our Triton kernel over the pool in place, not the gathered-copy fallback (the
+    tests above hold its tokens to transformers' and to eager's)."""
+    assert attention.triton_paged_decode_attention is not None, "Triton is not installed"
+    with mock.patch.object(attention, "triton_paged_decode_attention",
+                           wraps=attention.triton_paged_decode_attention) as kernel:
+        LLM(str(tiny_llama_dir), device="cuda", dtype="float32").generate(
+            ["Hi"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert kernel.called

@@ -1,6 +1,6 @@
-"""The CPU attention kernels (liteinfer/kernels) against the PyTorch paths they replace: the same attention over a
-gathered copy of each sequence's blocks (decodes) or through SDPA (prompts), on random pools, block tables and
-positions."""
+"""The attention kernels (liteinfer/kernels: ours in C++ on CPU, and the Triton decode kernel for CUDA, run here
+through Triton's interpreter) against the PyTorch paths they replace: the same attention over a gathered copy of each
+sequence's blocks (decodes) or through SDPA (prompts), on random pools, block tables and positions."""
 
 from unittest import mock
 
@@ -22,6 +22,11 @@ needs_int8_kernels = pytest.mark.skipif(not (kernels.load() and kernels.int8_poo
                                         reason="the kernels read int8 pools on CPUs with AVX-512 VNNI only")
 needs_prompt_kernel = pytest.mark.skipif(not (kernels.load() and kernels.prefill_available()),
                                          reason="the prompt kernel is built for AVX-512 CPUs only")
+
+
+# The Triton decode kernel's tests run it on CUDA where there is a GPU, else through Triton's interpreter on CPU
+# tensors (conftest.py switches it on).
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_kernel_builds_here():
@@ -72,6 +77,62 @@ def test_kernel_matches_attention_over_gathered_blocks(data, dtype, kv_heads, gr
 
     assert out.dtype == dtype and out.shape == expected.shape
     torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def triton_paged_decode_attention(attn: PagedAttention, q, tables, positions) -> torch.Tensor:
+    """The Triton kernel on the layer's pools and these queries, run on TRITON_DEVICE, the result back on CPU."""
+    from liteinfer.kernels.triton_attention import paged_decode_attention
+
+    k_cache, v_cache, q, tables, positions = (t.to(TRITON_DEVICE) for t in (attn.k_cache, attn.v_cache, q, tables,
+                                                                            positions))
+    return paged_decode_attention(q, k_cache, v_cache, tables, positions, attn.scale, attn.sliding_window or 0,
+                                  attn.logit_softcap or 0.0).cpu()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    data=st.data(),
+    dtype=DTYPES,
+    kv_heads=KV_HEADS,
+    group=GROUPS,
+    dim=st.sampled_from([64, 128, 40]),  # 40: padded to 64 lanes, the rest masked
+    block_size=st.sampled_from([1, 4, 16]),
+    window=st.one_of(st.none(), st.integers(1, 20)),
+    softcap=st.one_of(st.none(), st.floats(5.0, 50.0)),
+)
+def test_triton_kernel_matches_attention_over_gathered_blocks(data, dtype, kv_heads, group, dim, block_size, window,
+                                                              softcap):
+    attn, q, tables, positions = make_case(data, dtype, kv_heads, group, dim, block_size, window, softcap)
+
+    out = triton_paged_decode_attention(attn, q, tables, positions)
+    keys, values = attn._gather(tables, dtype)
+    expected = attn._attend_gathered_decodes(q, keys, values, positions)
+
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.flatten(1).float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_triton_kernel_reads_no_slot_its_queries_may_not_see():
+    """Every slot a query may not see holds NaN (the padding block 0, rows past each position, rows before the
+    window), so one read of them would show in the output: the kernel must skip or mask them all."""
+    torch.manual_seed(0)
+    attn = PagedAttention(6, 2, 64, 0.125, sliding_window=20)
+    attn.k_cache = torch.full((12, 2, 8, 64), float("nan"))
+    attn.v_cache = attn.k_cache.clone()
+    tables = torch.tensor([[3, 7, 1, 0, 0], [5, 0, 0, 0, 0], [2, 4, 6, 8, 11]])  # 0: padding
+    positions = torch.tensor([22, 3, 37])
+    for table, position in zip(tables, positions):
+        for key in range(max(0, position - 19), position + 1):  # the window's keys
+            attn.k_cache[table[key // 8], :, key % 8] = torch.randn(2, 64)
+            attn.v_cache[table[key // 8], :, key % 8] = torch.randn(2, 64)
+    q = torch.randn(3, 6, 64)
+
+    out = triton_paged_decode_attention(attn, q, tables, positions)
+    keys, values = attn._gather(tables, q.dtype)
+    expected = attn._attend_gathered_decodes(q, keys.nan_to_num(), values.nan_to_num(), positions)
+
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.flatten(1), expected, atol=2e-5, rtol=2e-5)
 
 
 @needs_prompt_kernel
