@@ -28,6 +28,8 @@ def smollm2_gguf_path() -> Path:
 def smollm2_tokenizer():
     from transformers import AutoTokenizer
 
+    if saved := os.environ.get("LITEINFER_TEST_TOKENIZER"):  # where the GGUF cannot travel: benchmarks/gpu_session.py
+        return AutoTokenizer.from_pretrained(saved)
     path = smollm2_gguf_path()
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
