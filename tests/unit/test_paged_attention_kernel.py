@@ -1,7 +1,11 @@
-"""The attention kernels (liteinfer/kernels: ours in C++ on CPU, and the Triton decode kernel for CUDA, run here
-through Triton's interpreter) against the PyTorch paths they replace: the same attention over a gathered copy of each
-sequence's blocks (decodes) or through SDPA (prompts), on random pools, block tables and positions."""
+"""The attention kernels (liteinfer/kernels: ours in C++ on CPU, and the Triton decode kernel for CUDA, run on a GPU
+where there is one, else through Triton's interpreter) against the PyTorch paths they replace: the same attention
+over a gathered copy of each sequence's blocks (decodes) or through SDPA (prompts), on random pools, block tables and
+positions."""
 
+import os
+import subprocess
+import sys
 from unittest import mock
 
 import pytest
@@ -110,6 +114,39 @@ def test_triton_kernel_matches_attention_over_gathered_blocks(data, dtype, kv_he
 
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.flatten(1).float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+# Compiles the kernel for the lent GPU (an H200: sm_90) in each dtype, in the shapes of SmolLM2 (groups of 3, heads
+# of 64), an 8B Llama (groups of 4... 8, heads of 128) and a padded one (head size 96, blocks of one key).
+COMPILE_FOR_HOPPER = """
+import itertools
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from liteinfer.kernels.triton_attention import _paged_decode_kernel as kernel
+
+shapes = [(3, 64, 16, False), (8, 128, 16, True), (1, 96, 1, True)]  # group, head size, block size, window and cap
+for dtype, (group, dim, block_size, flags) in itertools.product(["fp32", "bf16", "fp16"], shapes):
+    constants = dict(GROUP=group, GROUP_P2=triton.next_power_of_2(group), DIM=dim, DIM_P2=triton.next_power_of_2(dim),
+                     BLOCK_SIZE=block_size, SOFTCAP=flags, WINDOW=flags)
+    kinds = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+             "tables_ptr": "*i64", "positions_ptr": "*i64", "scale": "fp32", "softcap": "fp32"}
+    signature = {name: "constexpr" if name in constants else kinds.get(name, "i32") for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+    print(dtype, group, dim, block_size, len(compiled.asm["cubin"]) > 0)
+"""
+
+
+def test_triton_kernel_compiles_for_the_gpu():
+    """The interpreter runs the kernel's Python, not Triton's compiler: compile it down to machine code for Hopper
+    (Triton carries its own ptxas; no GPU needed), in a process of its own, since the compiler needs Triton imported
+    without the interpreter."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 9 and all(line.endswith("True") for line in lines), result.stdout
 
 
 def test_triton_kernel_reads_no_slot_its_queries_may_not_see():
