@@ -53,18 +53,16 @@ def make_case(data, dtype, kv_heads, group, dim, block_size, window, softcap):
     return attn, q, tables, positions
 
 
+# The decode kernels' cases (make_case's arguments). Head size 40: the C++ kernel's run-time size, with a tail shorter
+# than a vector; the Triton kernel's padded to 64 lanes, the rest masked.
+DECODE_CASES = dict(data=st.data(), dtype=DTYPES, kv_heads=KV_HEADS, group=GROUPS, dim=st.sampled_from([64, 128, 40]),
+                    block_size=st.sampled_from([1, 4, 16]), window=st.one_of(st.none(), st.integers(1, 20)),
+                    softcap=st.one_of(st.none(), st.floats(5.0, 50.0)))
+
+
+# threads: the C++ kernel splits its tasks into one run per thread, by their keys.
 @settings(max_examples=60, deadline=None)
-@given(
-    data=st.data(),
-    dtype=DTYPES,
-    kv_heads=KV_HEADS,
-    group=GROUPS,
-    dim=st.sampled_from([64, 128, 40]),  # 40: the run-time head size, with a tail shorter than a vector
-    block_size=st.sampled_from([1, 4, 16]),
-    window=st.one_of(st.none(), st.integers(1, 20)),
-    softcap=st.one_of(st.none(), st.floats(5.0, 50.0)),
-    threads=st.integers(1, 4),  # the kernel splits its tasks into one run per thread, by their keys
-)
+@given(**DECODE_CASES, threads=st.integers(1, 4))
 def test_kernel_matches_attention_over_gathered_blocks(data, dtype, kv_heads, group, dim, block_size, window, softcap,
                                                        threads):
     assert kernels.load()
@@ -94,16 +92,7 @@ def triton_paged_decode_attention(attn: PagedAttention, q, tables, positions) ->
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    data=st.data(),
-    dtype=DTYPES,
-    kv_heads=KV_HEADS,
-    group=GROUPS,
-    dim=st.sampled_from([64, 128, 40]),  # 40: padded to 64 lanes, the rest masked
-    block_size=st.sampled_from([1, 4, 16]),
-    window=st.one_of(st.none(), st.integers(1, 20)),
-    softcap=st.one_of(st.none(), st.floats(5.0, 50.0)),
-)
+@given(**DECODE_CASES)
 def test_triton_kernel_matches_attention_over_gathered_blocks(data, dtype, kv_heads, group, dim, block_size, window,
                                                               softcap):
     attn, q, tables, positions = make_case(data, dtype, kv_heads, group, dim, block_size, window, softcap)
