@@ -64,14 +64,20 @@ def measure(spec: EngineSpec, model: str, threads: int, workload: Workload, warm
     max_num_seqs = max(1 if w.one_at_a_time else len(w.requests) for w in (workload, warmup))
     max_seq_len = max(len(r.prompt_token_ids) + r.output_len for w in (workload, warmup) for r in w.requests)
     runner = runner_class(spec.engine)(spec, model, threads, max_num_seqs, max_seq_len)
-    runner.start()
     try:
-        for _ in range(rounds):
-            serve(runner, warmup)
-        with PeakMemory(runner.device) as peak:
-            traces = serve(runner, workload)
-    finally:
-        runner.stop()
+        runner.start()
+        try:
+            for _ in range(rounds):
+                serve(runner, warmup)
+            with PeakMemory(runner.device) as peak:
+                traces = serve(runner, workload)
+        finally:
+            runner.stop()
+    except Exception as exc:
+        # The error goes back to the harness's process pickled, which some refuse (inductor's holds a module): its
+        # traceback is printed here, its text sent.
+        traceback.print_exception(exc)
+        raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
     check_output_lengths(workload, traces)
     return {
         "metrics": asdict(summarize(workload, traces)) | {"peak_memory_mib": peak.mib},
@@ -263,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_isolated(spec, workload, warmup, args)
                 if row["status"] != "ok":
                     print(f"{row['status'].upper()} {spec.name} / {name}: {row['error']}", file=sys.stderr, flush=True)
+                else:  # each row as it comes, for a run stopped before its report
+                    m = row["metrics"]
+                    print(f"  {m['output_tokens_per_s']:.1f} output tok/s, ITL p50 {m['itl_p50_ms']:.2f} ms, "
+                          f"TTFT p50 {m['ttft_p50_ms']:.0f} ms", file=sys.stderr, flush=True)
                 rounds[spec.name].append(row)
         record["rows"] += [combine_rounds(engine_rounds) for engine_rounds in rounds.values()]
     if args.compare:

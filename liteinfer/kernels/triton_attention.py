@@ -28,6 +28,9 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
 ):
     seq, kv_head = tl.program_id(0), tl.program_id(1)
+    # Inductor passes Python floats to a traced kernel as fp64 (Triton's own launcher, as fp32): in fp64 they would
+    # carry the scores and the softmax into fp64.
+    scale, softcap = tl.cast(scale, tl.float32), tl.cast(softcap, tl.float32)
     group = tl.arange(0, GROUP_P2)
     dims = tl.arange(0, DIM_P2)
     rows = tl.arange(0, BLOCK_SIZE)

@@ -1,11 +1,16 @@
 """`python -m benchmarks.compare` end to end on a tiny model: liteinfer and transformers, each in its process."""
 
 import json
+import pickle
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks import compare
+from benchmarks.runners.base import EngineSpec
+from benchmarks.workloads import WorkloadParams, make_workload
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,6 +49,32 @@ def test_compare_smoke_run(tiny_llama_dir, tmp_path):
         assert "not installed" in rows["vllm-bf16"]["error"]
     assert "| liteinfer-fp32 |" in done.stdout and "medians of 2 rounds" in done.stdout
     assert done.stderr.count("vllm-bf16 / throughput (round") == 1  # skipped once, not asked again
+
+
+def test_an_engines_error_reaches_the_harness_as_text_it_can_unpickle(monkeypatch, capsys):
+    """An engine's error crosses back from its process pickled; inductor's hold a module, which pickle refuses, and
+    the row then named the pickling failure instead of the engine's."""
+
+    class CompileFailed(Exception):
+        pass
+
+    class FailingRunner:
+        def __init__(self, *args):
+            pass
+
+        def start(self):
+            error = CompileFailed("the graph did not compile")
+            error.module = json  # what inductor's errors carry
+            raise error
+
+    monkeypatch.setattr(compare, "runner_class", lambda engine: FailingRunner)
+    workload = make_workload("latency", WorkloadParams(latency_prompts=1, output_len=2), list(range(100, 200)))
+    with pytest.raises(RuntimeError) as raised:
+        compare.measure(EngineSpec.parse("liteinfer:bf16"), "model", 1, workload, workload, 1)
+
+    sent = pickle.loads(pickle.dumps(raised.value))
+    assert str(sent) == "CompileFailed: the graph did not compile"
+    assert "CompileFailed" in capsys.readouterr().err  # the whole traceback stays in the engine's output
 
 
 @pytest.mark.slow

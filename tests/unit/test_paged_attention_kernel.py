@@ -119,7 +119,9 @@ for dtype, (group, dim, block_size, flags) in itertools.product(["fp32", "bf16",
     constants = dict(GROUP=group, GROUP_P2=triton.next_power_of_2(group), DIM=dim, DIM_P2=triton.next_power_of_2(dim),
                      BLOCK_SIZE=block_size, SOFTCAP=flags, WINDOW=flags)
     kinds = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
-             "tables_ptr": "*i64", "positions_ptr": "*i64", "scale": "fp32", "softcap": "fp32"}
+             "tables_ptr": "*i64", "positions_ptr": "*i64"}
+    # Python floats reach the kernel as fp32 from Triton's launcher, as fp64 from a graph that inductor compiled.
+    kinds |= dict.fromkeys(["scale", "softcap"], "fp64" if dtype == "bf16" else "fp32")
     signature = {name: "constexpr" if name in constants else kinds.get(name, "i32") for name in kernel.arg_names}
     compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
     print(dtype, group, dim, block_size, len(compiled.asm["cubin"]) > 0)
