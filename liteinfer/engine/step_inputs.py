@@ -4,7 +4,7 @@ Every rank runs the same forward over the same packed batch, so each needs the s
 slots and block tables; the scheduler, the sequences and the sampler stay on rank 0. All of it is small integers,
 packed into one int64 buffer: 4 per new token (id, position, cache block and row in it), the block tables of the
 sequences in the step (one int per `block_size` tokens of context: the only part that grows with sequence length),
-3 per prefill span and 1 per sampling row. A decode step of 64 sequences at 1k tokens of context with 16-token
+4 per prefill span and 1 per sampling row. A decode step of 64 sequences at 1k tokens of context with 16-token
 blocks is about 5k ints (40 KB); no text, no logits, no K/V.
 """
 
@@ -28,7 +28,8 @@ class StepInputs:
     def to_bytes(self) -> bytes:
         meta = self.meta
         decode_tables = meta.decode_block_tables
-        spans = torch.tensor([[s.start, s.end, len(s.block_table)] for s in meta.prefills], dtype=torch.long)
+        spans = torch.tensor([[s.start, s.end, s.num_keys, len(s.block_table)] for s in meta.prefills],
+                             dtype=torch.long)
         header = torch.tensor([len(self.input_ids), meta.num_decodes, decode_tables.shape[1] if meta.num_decodes else 0,
                                len(meta.prefills), len(self.sample_rows)])
         parts = [header, self.input_ids, meta.positions, meta.slot_blocks, meta.slot_offsets, decode_tables.flatten(),
@@ -49,8 +50,8 @@ class StepInputs:
         input_ids, positions = take(num_tokens), take(num_tokens)
         slot_blocks, slot_offsets = take(num_tokens), take(num_tokens)
         decode_tables = take(num_decodes * max_blocks).view(num_decodes, max_blocks)
-        spans = take(num_prefills * 3).view(num_prefills, 3).tolist()
-        prefills = [PrefillSpan(start, end, take(blocks).to(device)) for start, end, blocks in spans]
+        spans = take(num_prefills * 4).view(num_prefills, 4).tolist()
+        prefills = [PrefillSpan(start, end, take(blocks).to(device), keys) for start, end, keys, blocks in spans]
         sample_rows = take(num_rows)
         meta = AttentionMetadata(
             slot_blocks=slot_blocks.to(device),

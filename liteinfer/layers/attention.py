@@ -43,6 +43,9 @@ class PrefillSpan:
     start: int  # its tokens' range [start, end) in the packed batch
     end: int
     block_table: torch.Tensor  # [blocks] the sequence's blocks
+    # Keys its last token attends to (its sequence's length through this step), known on the host: read from the
+    # positions on a GPU, it would wait for the device once per span and layer.
+    num_keys: int
 
 
 @dataclass
@@ -71,7 +74,7 @@ class AttentionMetadata:
         first = self.prefills[0].start
         starts = torch.tensor([span.start - first for span in self.prefills] + [self.prefills[-1].end - first])
         tables = nn.utils.rnn.pad_sequence([span.block_table for span in self.prefills], batch_first=True)
-        return starts.to(tables.device), tables, int(self.positions[first:].max()) + 1
+        return starts.to(tables.device), tables, max(span.num_keys for span in self.prefills)
 
 
 class PagedAttention(nn.Module):
@@ -128,8 +131,7 @@ class PagedAttention(nn.Module):
             ).flatten(1)
         outputs = []
         for span in meta.prefills:
-            positions = meta.positions[span.start : span.end]
-            num_keys = int(positions[-1]) + 1
+            positions, num_keys = meta.positions[span.start : span.end], span.num_keys
             keys, values = self._gather(span.block_table[None], q.dtype)
             keys, values = keys[:, 0, :num_keys], values[:, 0, :num_keys]  # [kv_heads, num_keys, dim]
             outputs.append(self._attend_span(q[span.start - decodes : span.end - decodes], keys, values, positions))

@@ -185,7 +185,7 @@ def test_prompt_kernel_matches_sdpa_per_span(data, dtype, kv_heads, group, dim, 
     for _ in range(data.draw(st.integers(1, 4), label="spans")):
         context, length = data.draw(st.integers(0, 50), label="context"), data.draw(st.integers(1, 40), label="new")
         width = -(-(context + length) // block_size)
-        spans.append(PrefillSpan(row, row + length, torch.tensor([free.pop() for _ in range(width)])))
+        spans.append(PrefillSpan(row, row + length, torch.tensor([free.pop() for _ in range(width)]), context + length))
         positions += range(context, context + length)
         row += length
     no_slots = torch.zeros(row, dtype=torch.long)  # the K/V are in the pools already
@@ -216,7 +216,7 @@ def test_prompt_kernel_matches_sdpa_over_long_spans(dim, window):
     lengths, contexts = (300, 37), (0, 450)  # a whole prompt; a chunk on top of a cached context
     spans, positions, row = [], [], 0
     for table, length, context in zip(tables, lengths, contexts, strict=True):
-        spans.append(PrefillSpan(row, row + length, table))
+        spans.append(PrefillSpan(row, row + length, table, context + length))
         positions += range(context, context + length)
         row += length
     no_slots = torch.zeros(row, dtype=torch.long)  # the K/V are in the pools already
@@ -290,7 +290,8 @@ def test_prompt_kernel_takes_spans_up_to_its_key_limit(context, uses_kernel):
     no_slots = torch.zeros(2, dtype=torch.long)  # the K/V are in the pools already
     meta = AttentionMetadata(
         slot_blocks=no_slots, slot_offsets=no_slots, positions=torch.arange(context, context + 2),
-        decode_block_tables=torch.zeros(0, 1, dtype=torch.long), prefills=[PrefillSpan(0, 2, torch.arange(num_blocks))],
+        decode_block_tables=torch.zeros(0, 1, dtype=torch.long),
+        prefills=[PrefillSpan(0, 2, torch.arange(num_blocks), context + 2)],
     )
     q = torch.randn(2, 4, 64)
     with torch.profiler.profile() as profile:
@@ -392,8 +393,8 @@ def test_prompt_kernel_reads_int8_pools_as_sdpa_over_the_gathered_rows(data, dty
     spans, positions, row = [], [], 0
     for _ in range(data.draw(st.integers(1, 4), label="spans")):
         context, length = data.draw(st.integers(0, 50), label="context"), data.draw(st.integers(1, 40), label="new")
-        spans.append(PrefillSpan(row, row + length, torch.tensor([free.pop() for _ in range(-(-(context + length)
-                                                                                              // 16))])))
+        table = torch.tensor([free.pop() for _ in range(-(-(context + length) // 16))])
+        spans.append(PrefillSpan(row, row + length, table, context + length))
         positions += range(context, context + length)
         row += length
     no_slots = torch.zeros(row, dtype=torch.long)
