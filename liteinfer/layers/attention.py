@@ -11,10 +11,10 @@ read as they lie and the other paths dequantize after gathering.
 Single-token steps (decodes) are batched into one call of a kernel that reads each sequence's blocks where they lie
 in the pool: on CPU ours in C++ (liteinfer.kernels), on CUDA ours in Triton (kernels/triton_attention.py) where
 Triton is installed; elsewhere, or where the C++ kernels could not be built, a grouped matmul over a gathered copy of
-the blocks. Multi-token steps (a prefill or a chunk of one) are batched into one call of our prompt
-kernel on AVX-512 CPUs (head sizes 64 and 128, no soft-capping, up to 1,024 keys); otherwise each runs on its own
-through PyTorch's fused scaled-dot-product attention. Either way a long prefill never pads the decodes that share
-its step and never materialises its [queries, keys] score matrix.
+the blocks. Multi-token steps (a prefill or a chunk of one) are batched into one call of our prompt kernel on AVX-512
+CPUs (head sizes 64 and 128, no soft-capping, up to 1,024 keys) or of our Triton one on CUDA (blocks of 16 keys or
+more); otherwise each runs on its own through PyTorch's fused scaled-dot-product attention. Either way a long
+prefill never pads the decodes that share its step and never materialises its [queries, keys] score matrix.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ from torch import nn
 
 from liteinfer import kernels
 
-try:  # CUDA's decode kernel; CPU-only machines need no Triton
+try:  # CUDA's kernels; CPU-only machines need no Triton
     from liteinfer.kernels.triton_attention import paged_decode_attention as triton_paged_decode_attention
+    from liteinfer.kernels.triton_attention import paged_prefill_attention as triton_paged_prefill_attention
 except ImportError:
-    triton_paged_decode_attention = None
+    triton_paged_decode_attention = triton_paged_prefill_attention = None
 
 PROMPT_KERNEL_MAX_KEYS = 1024  # see PagedAttention._prompt_kernel_takes
 
@@ -128,6 +129,14 @@ class PagedAttention(nn.Module):
             return torch.ops.liteinfer.paged_prefill_attention(
                 q, self.k_cache, self.v_cache, tables, starts, meta.positions[decodes:], self.scale,
                 self.sliding_window or 0, self.k_scales, self.v_scales,
+            ).flatten(1)
+        if q.is_cuda and triton_paged_prefill_attention is not None and self.k_scales is None \
+                and self.k_cache.shape[2] >= 16:  # the kernel's matrix products want blocks of 16 keys or more
+            starts, tables, _ = meta.prefill_spans
+            return triton_paged_prefill_attention(
+                q, self.k_cache, self.v_cache, tables, starts, meta.positions[decodes:], self.scale,
+                max(span.end - span.start for span in meta.prefills), self.sliding_window or 0,
+                self.logit_softcap or 0.0,
             ).flatten(1)
         outputs = []
         for span in meta.prefills:

@@ -37,12 +37,16 @@ def test_cuda_graphs_decode_gives_eager_greedy_tokens(tiny_llama_dir):
     assert [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts] == eager
 
 
-def test_cuda_decodes_attend_through_the_triton_kernel(tiny_llama_dir):
-    """Decode attention on CUDA runs our Triton kernel over the pool in place, not the gathered-copy fallback (the
-    tests above hold its tokens to transformers' and to eager's)."""
+def test_cuda_attention_runs_our_triton_kernels(tiny_llama_dir):
+    """Prompts and decodes on CUDA run our Triton kernels over the pool in place, not SDPA per span or the
+    gathered-copy fallback (the tests above hold their tokens to transformers' and to eager's)."""
     assert attention.triton_paged_decode_attention is not None, "Triton is not installed"
-    with mock.patch.object(attention, "triton_paged_decode_attention",
-                           wraps=attention.triton_paged_decode_attention) as kernel:
+    with (
+        mock.patch.object(attention, "triton_paged_decode_attention",
+                          wraps=attention.triton_paged_decode_attention) as decode_kernel,
+        mock.patch.object(attention, "triton_paged_prefill_attention",
+                          wraps=attention.triton_paged_prefill_attention) as prompt_kernel,
+    ):
         LLM(str(tiny_llama_dir), device="cuda", dtype="float32").generate(
-            ["Hi"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    assert kernel.called
+            ["The capital of France is"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert prompt_kernel.called and decode_kernel.called

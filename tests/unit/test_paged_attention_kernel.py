@@ -105,31 +105,37 @@ def test_triton_kernel_matches_attention_over_gathered_blocks(data, dtype, kv_he
     torch.testing.assert_close(out.flatten(1).float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-# Compiles the kernel for the lent GPU (an H200: sm_90) in each dtype, in the shapes of SmolLM2 (groups of 3, heads
-# of 64), an 8B Llama (groups of 4... 8, heads of 128) and a padded one (head size 96, blocks of one key).
+# Compiles the kernels for the lent GPU (an H200: sm_90) in each dtype, in the shapes of SmolLM2 (groups of 3, heads
+# of 64), an 8B Llama (groups of 4... 8, heads of 128) and a padded one (head size 96; decodes in blocks of one key).
 COMPILE_FOR_HOPPER = """
 import itertools
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from liteinfer.kernels.triton_attention import _paged_decode_kernel as kernel
+from liteinfer.kernels.triton_attention import PREFILL_TILE_ROWS, _paged_decode_kernel, _paged_prefill_kernel
+
+def compiles(kernel, dtype, constants):
+    kinds = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+             "tables_ptr": "*i64", "positions_ptr": "*i64", "starts_ptr": "*i64"}
+    # Python floats reach a kernel as fp32 from Triton's launcher, as fp64 from a graph that inductor compiled.
+    kinds |= dict.fromkeys(["scale", "softcap"], "fp64" if dtype == "bf16" else "fp32")
+    signature = {name: "constexpr" if name in constants else kinds.get(name, "i32") for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+    return len(compiled.asm["cubin"]) > 0
 
 shapes = [(3, 64, 16, False), (8, 128, 16, True), (1, 96, 1, True)]  # group, head size, block size, window and cap
 for dtype, (group, dim, block_size, flags) in itertools.product(["fp32", "bf16", "fp16"], shapes):
     constants = dict(GROUP=group, GROUP_P2=triton.next_power_of_2(group), DIM=dim, DIM_P2=triton.next_power_of_2(dim),
                      BLOCK_SIZE=block_size, SOFTCAP=flags, WINDOW=flags)
-    kinds = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
-             "tables_ptr": "*i64", "positions_ptr": "*i64"}
-    # Python floats reach the kernel as fp32 from Triton's launcher, as fp64 from a graph that inductor compiled.
-    kinds |= dict.fromkeys(["scale", "softcap"], "fp64" if dtype == "bf16" else "fp32")
-    signature = {name: "constexpr" if name in constants else kinds.get(name, "i32") for name in kernel.arg_names}
-    compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
-    print(dtype, group, dim, block_size, len(compiled.asm["cubin"]) > 0)
+    print("decode", dtype, group, dim, block_size, compiles(_paged_decode_kernel, dtype, constants))
+    constants |= dict(BLOCK_SIZE=max(block_size, 16), TOKENS=max(1, PREFILL_TILE_ROWS // constants["GROUP_P2"]),
+                      PRECISION="ieee" if dtype == "fp32" else "tf32")
+    print("prompt", dtype, group, dim, constants["BLOCK_SIZE"], compiles(_paged_prefill_kernel, dtype, constants))
 """
 
 
-def test_triton_kernel_compiles_for_the_gpu():
-    """The interpreter runs the kernel's Python, not Triton's compiler: compile it down to machine code for Hopper
+def test_triton_kernels_compile_for_the_gpu():
+    """The interpreter runs the kernels' Python, not Triton's compiler: compile them down to machine code for Hopper
     (Triton carries its own ptxas; no GPU needed), in a process of its own, since the compiler needs Triton imported
     without the interpreter."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
@@ -137,7 +143,7 @@ def test_triton_kernel_compiles_for_the_gpu():
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert len(lines) == 9 and all(line.endswith("True") for line in lines), result.stdout
+    assert len(lines) == 18 and all(line.endswith("True") for line in lines), result.stdout
 
 
 def test_triton_kernel_reads_no_slot_its_queries_may_not_see():
@@ -163,6 +169,56 @@ def test_triton_kernel_reads_no_slot_its_queries_may_not_see():
     torch.testing.assert_close(out.flatten(1), expected, atol=2e-5, rtol=2e-5)
 
 
+def prompt_spans(data, block_size: int, num_blocks: int, max_new: int = 40) -> AttentionMetadata:
+    """A step of 1-4 spans of 1-`max_new` new tokens on top of 0-50 cached ones (prefix hits, chunked prefill), each
+    on its own blocks drawn from the pools' `num_blocks`; the K/V are in the pools already."""
+    free = torch.randperm(num_blocks).tolist()
+    spans, positions, row = [], [], 0
+    for _ in range(data.draw(st.integers(1, 4), label="spans")):
+        context = data.draw(st.integers(0, 50), label="context")
+        length = data.draw(st.integers(1, max_new), label="new")
+        table = torch.tensor([free.pop() for _ in range(-(-(context + length) // block_size))])
+        spans.append(PrefillSpan(row, row + length, table, context + length))
+        positions += range(context, context + length)
+        row += length
+    no_slots = torch.zeros(row, dtype=torch.long)
+    return AttentionMetadata(slot_blocks=no_slots, slot_offsets=no_slots, positions=torch.tensor(positions),
+                             decode_block_tables=torch.zeros(0, 1, dtype=torch.long), prefills=spans)
+
+
+@settings(max_examples=25, deadline=None)
+@given(**DECODE_CASES | dict(block_size=st.sampled_from([16, 32])))
+def test_triton_prompt_kernel_matches_sdpa_per_span(data, dtype, kv_heads, group, dim, block_size, window, softcap):
+    """Spans of up to 80 new tokens (several tiles of rows where groups are small), every slot that no query may see
+    holding NaN (past each span's keys, and the blocks no span holds): one read of them would show."""
+    attn = PagedAttention(kv_heads * group, kv_heads, dim, dim**-0.5, sliding_window=window, logit_softcap=softcap)
+    num_blocks = 4 * -(-130 // block_size)
+    attn.k_cache = torch.randn(num_blocks, kv_heads, block_size, dim).to(dtype)
+    attn.v_cache = torch.randn(num_blocks, kv_heads, block_size, dim).to(dtype)
+    meta = prompt_spans(data, block_size, num_blocks, max_new=80)
+    q = torch.randn(len(meta.positions), kv_heads * group, dim).to(dtype)
+    with mock.patch.object(kernels, "prefill_available", return_value=False):
+        expected = attn._attend_prefills(q, meta)  # SDPA, one span at a time
+    seen = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for span in meta.prefills:
+        keys = torch.arange(span.num_keys)
+        seen[span.block_table[keys // block_size], keys % block_size] = True
+    for pool in (attn.k_cache, attn.v_cache):
+        pool.transpose(1, 2)[~seen] = float("nan")
+
+    from liteinfer.kernels.triton_attention import paged_prefill_attention
+
+    starts, tables, _ = meta.prefill_spans
+    k_cache, v_cache, q, tables, starts, positions = (
+        t.to(TRITON_DEVICE) for t in (attn.k_cache, attn.v_cache, q, tables, starts, meta.positions))
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, starts, positions, attn.scale,
+                                  max(span.end - span.start for span in meta.prefills), window or 0, softcap or 0.0)
+
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.cpu().flatten(1).float(), expected.float(), atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+
+
 @needs_prompt_kernel
 @settings(max_examples=60, deadline=None)
 @given(
@@ -180,18 +236,8 @@ def test_prompt_kernel_matches_sdpa_per_span(data, dtype, kv_heads, group, dim, 
     num_blocks = 4 * -(-90 // block_size)  # room for four spans of up to 90 tokens
     attn.k_cache = torch.randn(num_blocks, kv_heads, block_size, dim).to(dtype)
     attn.v_cache = torch.randn(num_blocks, kv_heads, block_size, dim).to(dtype)
-    free = torch.randperm(num_blocks).tolist()
-    spans, positions, row = [], [], 0
-    for _ in range(data.draw(st.integers(1, 4), label="spans")):
-        context, length = data.draw(st.integers(0, 50), label="context"), data.draw(st.integers(1, 40), label="new")
-        width = -(-(context + length) // block_size)
-        spans.append(PrefillSpan(row, row + length, torch.tensor([free.pop() for _ in range(width)]), context + length))
-        positions += range(context, context + length)
-        row += length
-    no_slots = torch.zeros(row, dtype=torch.long)  # the K/V are in the pools already
-    meta = AttentionMetadata(slot_blocks=no_slots, slot_offsets=no_slots, positions=torch.tensor(positions),
-                             decode_block_tables=torch.zeros(0, 1, dtype=torch.long), prefills=spans)
-    q = torch.randn(row, kv_heads * group, dim).to(dtype)
+    meta = prompt_spans(data, block_size, num_blocks)
+    q = torch.randn(len(meta.positions), kv_heads * group, dim).to(dtype)
 
     out = attn._attend_prefills(q, meta)  # the kernel, on CPU
     with mock.patch.object(kernels, "prefill_available", return_value=False):
@@ -389,18 +435,8 @@ def test_decode_kernel_reads_int8_pools_as_the_gathered_path(data, dtype, kv_hea
 def test_prompt_kernel_reads_int8_pools_as_sdpa_over_the_gathered_rows(data, dtype, kv_heads, group, dim, window):
     """The prompt kernel dequantizes the rows it lays out as `_gather` does, so only the arithmetic differs."""
     attn, _, _ = int8_layer(kv_heads, group, dim, block_size=16, num_blocks=24, window=window)
-    free = torch.randperm(24).tolist()
-    spans, positions, row = [], [], 0
-    for _ in range(data.draw(st.integers(1, 4), label="spans")):
-        context, length = data.draw(st.integers(0, 50), label="context"), data.draw(st.integers(1, 40), label="new")
-        table = torch.tensor([free.pop() for _ in range(-(-(context + length) // 16))])
-        spans.append(PrefillSpan(row, row + length, table, context + length))
-        positions += range(context, context + length)
-        row += length
-    no_slots = torch.zeros(row, dtype=torch.long)
-    meta = AttentionMetadata(slot_blocks=no_slots, slot_offsets=no_slots, positions=torch.tensor(positions),
-                             decode_block_tables=torch.zeros(0, 1, dtype=torch.long), prefills=spans)
-    q = torch.randn(row, kv_heads * group, dim).to(dtype)
+    meta = prompt_spans(data, 16, 24)
+    q = torch.randn(len(meta.positions), kv_heads * group, dim).to(dtype)
 
     out = attn._attend_prefills(q, meta)
     with mock.patch.object(kernels, "prefill_available", return_value=False):
