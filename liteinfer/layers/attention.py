@@ -130,8 +130,8 @@ class PagedAttention(nn.Module):
                 q, self.k_cache, self.v_cache, tables, starts, meta.positions[decodes:], self.scale,
                 self.sliding_window or 0, self.k_scales, self.v_scales,
             ).flatten(1)
-        if q.is_cuda and triton_paged_prefill_attention is not None and self.k_scales is None \
-                and self.k_cache.shape[2] >= 16:  # the kernel's matrix products want blocks of 16 keys or more
+        if (q.is_cuda and triton_paged_prefill_attention is not None and self.k_scales is None
+                and self.k_cache.shape[2] >= 16):  # the kernel's matrix products want blocks of 16 keys or more
             starts, tables, _ = meta.prefill_spans
             return triton_paged_prefill_attention(
                 q, self.k_cache, self.v_cache, tables, starts, meta.positions[decodes:], self.scale,
