@@ -11,7 +11,7 @@ from liteinfer.config import EngineConfig
 from liteinfer.engine import AsyncLLM, LLMEngine
 from liteinfer.llm import LLM
 from liteinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from liteinfer.sampling import SamplingParams
+from liteinfer.sampling import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -24,5 +24,6 @@ __all__ = [
     "Logprob",
     "RequestMetrics",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
 ]

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from liteinfer.config import EngineConfig
 from liteinfer.engine.data_parallel import make_engine
 from liteinfer.engine.llm_engine import PromptType
-from liteinfer.engine.prompts import Message, check_all, pair_prompts, render_chat
+from liteinfer.engine.prompts import Message, check_all, final_outputs_only, pair_prompts, render_chat
 from liteinfer.outputs import RequestOutput
 from liteinfer.sampling import SamplingParams
 
@@ -39,7 +39,7 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        requests = check_all(self.engine, pair_prompts(prompts, sampling_params))
+        requests = check_all(self.engine, final_outputs_only(pair_prompts(prompts, sampling_params)))
         request_ids = [f"gen-{next(self._request_ids)}" for _ in requests]
         for request_id, (prompt, params) in zip(request_ids, requests):
             self.engine.add_request(request_id, prompt, params)

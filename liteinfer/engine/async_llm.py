@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from liteinfer.config import EngineConfig
 from liteinfer.engine.data_parallel import make_engine
 from liteinfer.engine.llm_engine import EngineStats, PromptType
-from liteinfer.engine.prompts import Message, check_all, pair_prompts, render_chat
+from liteinfer.engine.prompts import Message, check_all, final_outputs_only, pair_prompts, render_chat
 from liteinfer.outputs import FinishReason, PositionLogprobs, RequestOutput
 from liteinfer.sampling import SamplingParams
 
@@ -141,7 +141,7 @@ class AsyncLLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Submit every prompt at once (they are batched together); the final outputs, in prompt order."""
-        request_ids, queue = await self._submit(pair_prompts(prompts, sampling_params), None)
+        request_ids, queue = await self._submit(final_outputs_only(pair_prompts(prompts, sampling_params)), None)
         finished: dict[str, RequestOutput] = {}
         async with aclosing(self._outputs(request_ids, queue)) as outputs:
             async for output in outputs:

@@ -20,7 +20,7 @@ from liteinfer.engine.sequence import Request, Sequence
 from liteinfer.engine.workers import ShardSpec, WorkerPool, pack_weights
 from liteinfer.models.source import load_config, load_tokenizer, resolve_model
 from liteinfer.outputs import RequestMetrics, RequestOutput
-from liteinfer.sampling import Sampler, SamplerOutput, SamplingParams
+from liteinfer.sampling import RequestOutputKind, Sampler, SamplerOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +255,8 @@ class LLMEngine:
     # The loop
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return the outputs of every request that got a new token."""
+        """Schedule, run the model once, and return the outputs of every request that got a new token (of those that
+        asked for `RequestOutputKind.FINAL_ONLY`, only the finished ones)."""
         batch = self.scheduler.schedule()
         for seq in batch.preempted:
             self.requests[seq.request_id].metrics.num_preemptions += 1
@@ -288,6 +289,8 @@ class LLMEngine:
             if request.is_finished:
                 request.metrics.finished_time = request.metrics.finished_time or time.monotonic()
                 self.requests.pop(request.request_id, None)
+            elif request.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
             outputs.append(request.to_output())
         return outputs
 

@@ -4,10 +4,11 @@ checked as a whole, and chat conversations rendered with the model's template. S
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from liteinfer.engine.llm_engine import LLMEngine, PromptType
-from liteinfer.sampling import SamplingParams
+from liteinfer.sampling import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # transformers is slow to import and only needed for the annotation
     from transformers import PreTrainedTokenizerBase
@@ -29,6 +30,12 @@ def pair_prompts(
     if len(params_list) != len(prompts):
         raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
     return list(zip(prompts, params_list))
+
+
+def final_outputs_only(requests: list[tuple[PromptType, SamplingParams]]) -> list[tuple[PromptType, SamplingParams]]:
+    """The requests reporting their finished outputs only (`RequestOutputKind.FINAL_ONLY`), for a caller that waits
+    for those: the engine then builds no output for a running request."""
+    return [(prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY)) for prompt, params in requests]
 
 
 def check_all(

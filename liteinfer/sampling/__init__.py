@@ -7,7 +7,7 @@ It never touches the KV cache or the model, and keeps no state between steps: to
 seeded generators come in with each row, and stop checks and detokenisation belong to the engine.
 """
 
-from liteinfer.sampling.params import SamplingParams
+from liteinfer.sampling.params import RequestOutputKind, SamplingParams
 from liteinfer.sampling.sampler import Sampler, SamplerOutput, SamplingRow
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingParams", "SamplingRow"]
+__all__ = ["RequestOutputKind", "Sampler", "SamplerOutput", "SamplingParams", "SamplingRow"]

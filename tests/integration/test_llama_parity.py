@@ -18,7 +18,7 @@ from parity import (
     prefill_logits,
 )
 
-from liteinfer import LLM, SamplingParams
+from liteinfer import LLM, RequestOutputKind, SamplingParams
 
 # Prompts of at most 16 tokens, so that with max_model_len=64 each can generate NUM_NEW.
 SHORT_PROMPTS = [
@@ -209,6 +209,24 @@ def drain(engine) -> dict:
             if out.finished:
                 finished[out.request_id] = out
     return finished
+
+
+def test_engine_reports_a_final_only_request_once_when_it_finishes(tiny_llama_dir):
+    """What `LLM.generate` asks for: no step reports a FINAL_ONLY request until the one that finishes it, and that
+    output equals its CUMULATIVE twin's, which every step reports."""
+    engine = LLM(str(tiny_llama_dir), dtype="float32").engine
+    params = dict(temperature=0, max_tokens=5, ignore_eos=True)
+    engine.add_request("every", "Hello there", SamplingParams(**params))
+    engine.add_request("final", "Hello there", SamplingParams(**params, output_kind=RequestOutputKind.FINAL_ONLY))
+    steps = []
+    while engine.has_unfinished_requests():
+        steps.append({out.request_id: out for out in engine.step()})
+
+    assert len(steps) == 5 and all("every" in step for step in steps)
+    assert ["final" in step for step in steps] == [False] * 4 + [True]
+    final, every = steps[-1]["final"], steps[-1]["every"]
+    assert final.finished and final.outputs[0].token_ids == every.outputs[0].token_ids
+    assert final.outputs[0].text == every.outputs[0].text and final.outputs[0].finish_reason == "length"
 
 
 def test_engine_n3_samples_share_prompt_blocks(tiny_llama_dir):

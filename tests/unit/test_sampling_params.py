@@ -1,6 +1,6 @@
 import pytest
 
-from liteinfer.sampling import SamplingParams
+from liteinfer.sampling import RequestOutputKind, SamplingParams
 
 
 def test_sampling_params_defaults_match_vllm():
@@ -10,7 +10,7 @@ def test_sampling_params_defaults_match_vllm():
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
     assert p.stop == [] and p.stop_token_ids == []
     assert not p.include_stop_str_in_output and not p.ignore_eos and p.skip_special_tokens
-    assert not p.is_greedy
+    assert not p.is_greedy and p.output_kind is RequestOutputKind.CUMULATIVE
 
 
 @pytest.mark.parametrize(
@@ -40,6 +40,7 @@ def test_sampling_params_defaults_match_vllm():
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"stop": 3}, "stop"),
         ({"stop_token_ids": [1, "2"]}, "stop_token_ids"),
+        ({"output_kind": "final"}, "output_kind"),
     ],
 )
 def test_sampling_params_invalid_value_raises_value_error_naming_field(kwargs, field):
