@@ -77,6 +77,11 @@ class AttentionMetadata:
         tables = nn.utils.rnn.pad_sequence([span.block_table for span in self.prefills], batch_first=True)
         return starts.to(tables.device), tables, max(span.num_keys for span in self.prefills)
 
+    @cached_property
+    def longest_prefill(self) -> int:
+        """Tokens in the step's longest span (the grid of the Triton prompt kernel), counted once a step."""
+        return max(span.end - span.start for span in self.prefills)
+
 
 class PagedAttention(nn.Module):
     def __init__(
@@ -135,8 +140,7 @@ class PagedAttention(nn.Module):
             starts, tables, _ = meta.prefill_spans
             return triton_paged_prefill_attention(
                 q, self.k_cache, self.v_cache, tables, starts, meta.positions[decodes:], self.scale,
-                max(span.end - span.start for span in meta.prefills), self.sliding_window or 0,
-                self.logit_softcap or 0.0,
+                meta.longest_prefill, self.sliding_window or 0, self.logit_softcap or 0.0,
             ).flatten(1)
         outputs = []
         for span in meta.prefills:

@@ -212,7 +212,7 @@ def test_triton_prompt_kernel_matches_sdpa_per_span(data, dtype, kv_heads, group
     k_cache, v_cache, q, tables, starts, positions = (
         t.to(TRITON_DEVICE) for t in (attn.k_cache, attn.v_cache, q, tables, starts, meta.positions))
     out = paged_prefill_attention(q, k_cache, v_cache, tables, starts, positions, attn.scale,
-                                  max(span.end - span.start for span in meta.prefills), window or 0, softcap or 0.0)
+                                  meta.longest_prefill, window or 0, softcap or 0.0)
 
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.cpu().flatten(1).float(), expected.float(), atol=TOLERANCE[dtype],
