@@ -22,10 +22,24 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DTYPES = st.sampled_from(list(TOLERANCE))
 KV_HEADS, GROUPS = st.integers(1, 3), st.integers(1, 6)  # group: query heads per KV head (5, 6: past the 4 of
 # 64-wide heads whose sums the AVX-512 decode kernel keeps in registers at once; AVX2's passes of 3 heads: 3 + 2, 3 + 3)
-needs_int8_kernels = pytest.mark.skipif(not (kernels.load() and kernels.int8_pools_available()),
-                                        reason="the kernels read int8 pools on CPUs with AVX-512 VNNI only")
-needs_prompt_kernel = pytest.mark.skipif(not (kernels.load() and kernels.prefill_available()),
-                                         reason="the prompt kernel is built for AVX-512 CPUs only")
+
+
+# Asked when a test that needs them runs, not at import: collecting this file for its Triton tests alone (as the GPU
+# run does) must not build the C++ kernels.
+@pytest.fixture(scope="module")
+def int8_kernels():
+    if not (kernels.load() and kernels.int8_pools_available()):
+        pytest.skip("the kernels read int8 pools on CPUs with AVX-512 VNNI only")
+
+
+@pytest.fixture(scope="module")
+def prompt_kernel():
+    if not (kernels.load() and kernels.prefill_available()):
+        pytest.skip("the prompt kernel is built for AVX-512 CPUs only")
+
+
+needs_int8_kernels = pytest.mark.usefixtures("int8_kernels")
+needs_prompt_kernel = pytest.mark.usefixtures("prompt_kernel")
 
 
 # The Triton decode kernel's tests run it on CUDA where there is a GPU, else through Triton's interpreter on CPU
