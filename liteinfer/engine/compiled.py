@@ -26,10 +26,12 @@ What the graph does differently from eager, and why:
   frozen graphs: unfrozen, the start halves but each one-row step is 2-4% slower (docs/benchmarks.md).
 - Guards on module attributes are skipped (they cost about 1 ms per step with quantized weights, checked every
   call): the graphs read no weight from the module, and the pool tensors are never rebound.
-- On CUDA the graph is replayed as CUDA graphs (inductor's cudagraph trees), captured the first times each padded
-  shape comes up; on an H200 (2026-12-04) the replayed steps give the eager engine's tokens
-  (tests/integration/test_gpu.py). Its start there is not measured yet: SmolLM2's had not finished after more
-  than 2 minutes of a benchmark run.
+- On CUDA the graph is replayed as CUDA graphs (inductor's cudagraph trees): `warm_up` captures one for each batch
+  size of a ladder (powers of two up to `max_num_seqs`; a batch runs in the next size up), and every block table is
+  padded to the longest a sequence can have, so those graphs serve every step and no request waits for a capture.
+  On an H200 (2026-12-04) the replayed steps gave the eager engine's tokens (tests/integration/test_gpu.py), when
+  graphs were still captured as shapes came up. Its start there is not measured yet: SmolLM2's had not finished
+  after more than 2 minutes of a benchmark run.
 """
 
 from __future__ import annotations
@@ -78,13 +80,15 @@ def _next_power_of_two(n: int) -> int:
 
 
 class CompiledDecoder:
-    def __init__(self, model: nn.Module, kv_cache: KVCache):
+    def __init__(self, model: nn.Module, kv_cache: KVCache, max_num_seqs: int, max_blocks_per_seq: int):
         self.model = model
         self.warmed_up = False
-        # On CUDA each step replays a CUDA graph (inductor's cudagraph trees), one per batch size and block-table
-        # width; both are padded to powers of two so that a few graphs serve every step. The pool stays at one
-        # address, so the graphs write it in place rather than copying it in and out.
+        # On CUDA each step replays a CUDA graph (inductor's cudagraph trees), one per batch size of the ladder;
+        # tables are all max_blocks_per_seq wide. The pool stays at one address, so the graphs write it in place
+        # rather than copying it in and out.
         self.cuda_graphs = kv_cache.device.type == "cuda"
+        self.graph_batch_sizes = [1 << i for i in range(_next_power_of_two(max_num_seqs).bit_length())]
+        self.max_blocks_per_seq = max_blocks_per_seq
         if self.cuda_graphs:
             for pool in kv_cache.k + kv_cache.v:
                 torch._dynamo.mark_static_address(pool)
@@ -115,7 +119,7 @@ class CompiledDecoder:
             input_ids, positions, blocks, offsets, tables = (t[rows] for t in (input_ids, positions, blocks, offsets,
                                                                                tables))
         # Padding columns are block 0, masked out by position like any other padding.
-        padded_width = max(2, _next_power_of_two(width) if self.cuda_graphs else width)
+        padded_width = max(2, self.max_blocks_per_seq if self.cuda_graphs else width)
         if padded_width > width:
             tables = F.pad(tables, (0, padded_width - width))
         if batch > 1:
@@ -132,8 +136,8 @@ class CompiledDecoder:
 
     @torch.inference_mode()
     def warm_up(self, device: torch.device) -> None:
-        """Compile both graphs now (batch of one and any other batch) on dummy decodes that write block 0 only,
-        before any sequence holds a block."""
+        """Compile both graphs now (batch of one and any other batch), and on CUDA capture the ladder's CUDA graphs,
+        on dummy decodes that write block 0 only, before any sequence holds a block."""
         logger.info("compiling the decode step (torch.compile, two graphs)...")
         start = time.perf_counter()
         # Compile-time settings, so they are needed here only.
@@ -148,8 +152,10 @@ class CompiledDecoder:
             torch._inductor.config.patch(cpp_wrapper=not self.cuda_graphs),
             # Without it, a batch that happens to equal the table width at the first compile would tie the two.
             torch.fx.experimental._config.patch(use_duck_shape=False),
+            # A graph per batch size of the ladder is planned, not the runaway recompiles this warns of.
+            torch._inductor.config.patch({"triton.cudagraph_dynamic_shape_warn_limit": None}),
         ):
-            for batch in (1, 2):
+            for batch in self.graph_batch_sizes if self.cuda_graphs else (1, 2):
                 ids = torch.zeros(batch, dtype=torch.long, device=device)
                 meta = AttentionMetadata(
                     slot_blocks=ids.clone(),
@@ -158,6 +164,8 @@ class CompiledDecoder:
                     decode_block_tables=torch.zeros(batch, 2, dtype=torch.long, device=device),
                     prefills=[],
                 )
-                self(StepInputs(ids, meta, torch.arange(batch, device=device)))
+                # On CUDA a shape's first run is cudagraph trees' eager warm-up; its second is captured.
+                for _ in range(2 if self.cuda_graphs else 1):
+                    self(StepInputs(ids, meta, torch.arange(batch, device=device)))
         self.warmed_up = True
         logger.info("decode step compiled in %.0f s", time.perf_counter() - start)

@@ -96,7 +96,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         compiled = None
         if not config.enforce_eager:
-            compiled = CompiledDecoder(model, self.kv_cache)
+            compiled = CompiledDecoder(model, self.kv_cache, config.max_num_seqs, self.max_blocks_per_seq)
             compiled.warm_up(self.device)
             # The graphs hold inductor's own packed copies of the weights; eager (prefill) steps get theirs now.
             pack_weights(model)
@@ -127,6 +127,11 @@ class LLMEngine:
             raise ValueError(f"tensor_parallel_size ({tp}) needs as many CUDA devices; "
                              f"{torch.cuda.device_count()} are visible")
 
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """The blocks that a sequence of max_model_len tokens holds."""
+        return -(-self.max_model_len // self.config.block_size)
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
         if self.workers is not None:
@@ -138,7 +143,7 @@ class LLMEngine:
         num_layers, num_kv_heads, head_dim = spec.kv_cache_dims(self.tp)
         block_bytes = KVCache.bytes_per_block(num_layers, cfg.block_size, num_kv_heads, head_dim, self.dtype,
                                               spec.kv_cache_int8)
-        blocks_per_seq = -(-self.max_model_len // cfg.block_size)
+        blocks_per_seq = self.max_blocks_per_seq
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         else:

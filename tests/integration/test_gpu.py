@@ -37,6 +37,25 @@ def test_cuda_graphs_decode_gives_eager_greedy_tokens(tiny_llama_dir):
     assert [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts] == eager
 
 
+def test_cuda_graphs_are_captured_at_start_for_a_ladder_of_batch_sizes(tiny_llama_dir):
+    """The engine's start captures a graph for each batch size of the ladder (1, 2, 4, 8 for max_num_seqs=5); then
+    every batch from 5 down to 1, at contexts across five block-table widths, replays one of them: no capture
+    while requests run."""
+    capture_begin = torch.cuda.CUDAGraph.capture_begin
+    with mock.patch.object(torch.cuda.CUDAGraph, "capture_begin", autospec=True, side_effect=capture_begin) as capture:
+        llm = LLM(str(tiny_llama_dir), device="cuda", dtype="float32", enforce_eager=False, max_num_seqs=5,
+                  max_model_len=512)
+        assert llm.engine.runner.compiled.graph_batch_sizes == [1, 2, 4, 8]
+        captured_at_start = capture.call_count
+        # Each request stops 12 tokens after the one before it, so the batch shrinks a row at a time; the longest
+        # reaches 5 + 72 tokens (blocks of 16: tables 1 to 5 wide).
+        params = [SamplingParams(temperature=0, max_tokens=12 * (i + 2), ignore_eos=True) for i in range(5)]
+        outputs = llm.generate(["The capital of France is"] * 5, params)
+    assert [len(out.outputs[0].token_ids) for out in outputs] == [24, 36, 48, 60, 72]
+    assert captured_at_start >= 4
+    assert capture.call_count == captured_at_start
+
+
 def test_cuda_attention_runs_our_triton_kernels(tiny_llama_dir):
     """Prompts and decodes on CUDA run our Triton kernels over the pool in place, not SDPA per span or the
     gathered-copy fallback (the tests above hold their tokens to transformers' and to eager's)."""
