@@ -88,7 +88,7 @@ class ModelRunner:
             if count == 1:
                 decode_tables.append(seq.block_table)
             else:
-                prefills.append(PrefillSpan(row, row + count, torch.tensor(seq.block_table, device=device), end))
+                prefills.append(PrefillSpan(row, row + count, seq.block_table, end))
         # Padding is block 0, masked out by position.
         width = max(map(len, decode_tables), default=0)
         padded = [table + [0] * (width - len(table)) for table in decode_tables]

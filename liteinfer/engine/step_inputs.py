@@ -32,8 +32,9 @@ class StepInputs:
                              dtype=torch.long)
         header = torch.tensor([len(self.input_ids), meta.num_decodes, decode_tables.shape[1] if meta.num_decodes else 0,
                                len(meta.prefills), len(self.sample_rows)])
+        span_tables = torch.tensor([block for s in meta.prefills for block in s.block_table], dtype=torch.long)
         parts = [header, self.input_ids, meta.positions, meta.slot_blocks, meta.slot_offsets, decode_tables.flatten(),
-                 spans.flatten(), *(s.block_table for s in meta.prefills), self.sample_rows]
+                 spans.flatten(), span_tables, self.sample_rows]
         return torch.cat([p.to("cpu", torch.long) for p in parts]).numpy().tobytes()
 
     @classmethod
@@ -51,7 +52,7 @@ class StepInputs:
         slot_blocks, slot_offsets = take(num_tokens), take(num_tokens)
         decode_tables = take(num_decodes * max_blocks).view(num_decodes, max_blocks)
         spans = take(num_prefills * 4).view(num_prefills, 4).tolist()
-        prefills = [PrefillSpan(start, end, take(blocks).to(device), keys) for start, end, keys, blocks in spans]
+        prefills = [PrefillSpan(start, end, take(blocks).tolist(), keys) for start, end, keys, blocks in spans]
         sample_rows = take(num_rows)
         meta = AttentionMetadata(
             slot_blocks=slot_blocks.to(device),

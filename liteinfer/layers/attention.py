@@ -43,7 +43,9 @@ class PrefillSpan:
 
     start: int  # its tokens' range [start, end) in the packed batch
     end: int
-    block_table: torch.Tensor  # [blocks] the sequence's blocks
+    # The sequence's blocks, on the host: the step's spans reach the device together, in one padded table
+    # (`AttentionMetadata.prefill_spans`), not one copy per span.
+    block_table: list[int]
     # Keys its last token attends to (its sequence's length through this step), known on the host: read from the
     # positions on a GPU, it would wait for the device once per span and layer.
     num_keys: int
@@ -72,10 +74,12 @@ class AttentionMetadata:
         """The spans as the prompt kernel takes them, built once a step: rows [S + 1] where each span starts (counted
         from the first prefill row; the last entry is where they end), block tables [S, width] padded with 0, and the
         most keys any of their queries reads."""
-        first = self.prefills[0].start
-        starts = torch.tensor([span.start - first for span in self.prefills] + [self.prefills[-1].end - first])
-        tables = nn.utils.rnn.pad_sequence([span.block_table for span in self.prefills], batch_first=True)
-        return starts.to(tables.device), tables, max(span.num_keys for span in self.prefills)
+        first, device = self.prefills[0].start, self.positions.device
+        starts = [span.start - first for span in self.prefills] + [self.prefills[-1].end - first]
+        width = max(len(span.block_table) for span in self.prefills)
+        tables = [span.block_table + [0] * (width - len(span.block_table)) for span in self.prefills]
+        return (torch.tensor(starts, device=device), torch.tensor(tables, device=device),
+                max(span.num_keys for span in self.prefills))
 
     @cached_property
     def longest_prefill(self) -> int:
@@ -143,9 +147,10 @@ class PagedAttention(nn.Module):
                 meta.longest_prefill, self.sliding_window or 0, self.logit_softcap or 0.0,
             ).flatten(1)
         outputs = []
-        for span in meta.prefills:
+        _, tables, _ = meta.prefill_spans
+        for i, span in enumerate(meta.prefills):
             positions, num_keys = meta.positions[span.start : span.end], span.num_keys
-            keys, values = self._gather(span.block_table[None], q.dtype)
+            keys, values = self._gather(tables[i : i + 1, : len(span.block_table)], q.dtype)
             keys, values = keys[:, 0, :num_keys], values[:, 0, :num_keys]  # [kv_heads, num_keys, dim]
             outputs.append(self._attend_span(q[span.start - decodes : span.end - decodes], keys, values, positions))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

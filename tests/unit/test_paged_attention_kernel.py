@@ -191,7 +191,7 @@ def prompt_spans(data, block_size: int, num_blocks: int, max_new: int = 40) -> A
     for _ in range(data.draw(st.integers(1, 4), label="spans")):
         context = data.draw(st.integers(0, 50), label="context")
         length = data.draw(st.integers(1, max_new), label="new")
-        table = torch.tensor([free.pop() for _ in range(-(-(context + length) // block_size))])
+        table = [free.pop() for _ in range(-(-(context + length) // block_size))]
         spans.append(PrefillSpan(row, row + length, table, context + length))
         positions += range(context, context + length)
         row += length
@@ -216,7 +216,7 @@ def test_triton_prompt_kernel_matches_sdpa_per_span(data, dtype, kv_heads, group
     seen = torch.zeros(num_blocks, block_size, dtype=torch.bool)
     for span in meta.prefills:
         keys = torch.arange(span.num_keys)
-        seen[span.block_table[keys // block_size], keys % block_size] = True
+        seen[torch.tensor(span.block_table)[keys // block_size], keys % block_size] = True
     for pool in (attn.k_cache, attn.v_cache):
         pool.transpose(1, 2)[~seen] = float("nan")
 
@@ -272,7 +272,7 @@ def test_prompt_kernel_matches_sdpa_over_long_spans(dim, window):
     attn.k_cache = torch.randn(64, 3, 16, dim).bfloat16()
     attn.v_cache = torch.randn(64, 3, 16, dim).bfloat16()
     attn.k_cache[..., 0] *= torch.linspace(1, 8, 64)[:, None, None]  # later keys' scores grow: maxima move late
-    tables = torch.randperm(64).view(2, 32)
+    tables = torch.randperm(64).view(2, 32).tolist()
     lengths, contexts = (300, 37), (0, 450)  # a whole prompt; a chunk on top of a cached context
     spans, positions, row = [], [], 0
     for table, length, context in zip(tables, lengths, contexts, strict=True):
@@ -351,7 +351,7 @@ def test_prompt_kernel_takes_spans_up_to_its_key_limit(context, uses_kernel):
     meta = AttentionMetadata(
         slot_blocks=no_slots, slot_offsets=no_slots, positions=torch.arange(context, context + 2),
         decode_block_tables=torch.zeros(0, 1, dtype=torch.long),
-        prefills=[PrefillSpan(0, 2, torch.arange(num_blocks), context + 2)],
+        prefills=[PrefillSpan(0, 2, list(range(num_blocks)), context + 2)],
     )
     q = torch.randn(2, 4, 64)
     with torch.profiler.profile() as profile:
