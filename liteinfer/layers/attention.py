@@ -12,9 +12,10 @@ Single-token steps (decodes) are batched into one call of a kernel that reads ea
 in the pool: on CPU ours in C++ (liteinfer.kernels), on CUDA ours in Triton (kernels/triton_attention.py) where
 Triton is installed; elsewhere, or where the C++ kernels could not be built, a grouped matmul over a gathered copy of
 the blocks. Multi-token steps (a prefill or a chunk of one) are batched into one call of our prompt kernel on AVX-512
-CPUs (head sizes 64 and 128, no soft-capping, up to 1,024 keys) or of our Triton one on CUDA (blocks of 16 keys or
-more); otherwise each runs on its own through PyTorch's fused scaled-dot-product attention. Either way a long
-prefill never pads the decodes that share its step and never materialises its [queries, keys] score matrix.
+CPUs (head sizes 64 and 128, no soft-capping; up to 1,024 keys unless it runs in AMX tiles) or of our Triton one on
+CUDA (blocks of 16 keys or more); otherwise each runs on its own through PyTorch's fused scaled-dot-product
+attention. Either way a long prefill never pads the decodes that share its step and never materialises its
+[queries, keys] score matrix.
 """
 
 from __future__ import annotations
@@ -156,12 +157,15 @@ class PagedAttention(nn.Module):
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _prompt_kernel_takes(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Our prompt kernel: on AVX-512 CPUs, for head sizes 64 and 128 without soft-capping, and while no query reads
-        more than PROMPT_KERNEL_MAX_KEYS keys, past which PyTorch's flash SDPA is as fast or faster (bf16 at 2,048
-        keys: 38.7 vs 35.7 ms a layer; at 1,024: 10.1 vs 10.8; on an Intel Xeon with ours in AMX tiles: 8.6 vs 7.5 and
-        2.8 vs 2.5, at 512 keys 0.7 vs 0.9; docs/benchmarks.md)."""
+        """Our prompt kernel: on AVX-512 CPUs, for head sizes 64 and 128 without soft-capping. In AMX tiles (bf16 on
+        CPUs with AMX) at any length: one layer, 2 threads, 8,192 keys 113 ms against SDPA's 134, 2,048 queries
+        after 6,144 keys 51 against 97 (docs/benchmarks.md). Otherwise while no query reads more than
+        PROMPT_KERNEL_MAX_KEYS keys, past which PyTorch's flash SDPA is as fast or faster (bf16 on an AMD Zen 4 at
+        2,048 keys: 38.7 vs 35.7 ms a layer, at 1,024: 10.1 vs 10.8, measured before the kernel's threads took
+        equal shares of the work)."""
         return (q.is_cpu and self.logit_softcap is None and self.head_dim in (64, 128) and kernels.prefill_available()
-                and self._kernels_take_pools() and meta.prefill_spans[2] <= PROMPT_KERNEL_MAX_KEYS)
+                and self._kernels_take_pools()
+                and (meta.prefill_spans[2] <= PROMPT_KERNEL_MAX_KEYS or kernels.prefill_in_amx_tiles(q.dtype)))
 
     def _kernels_take_pools(self) -> bool:
         """Plain pools, or int8 ones where the kernels read them (AVX-512 VNNI, heads of 64 or 128, whole panels of 16

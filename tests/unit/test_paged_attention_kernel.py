@@ -339,27 +339,65 @@ def test_engine_gives_the_same_tokens_on_the_fallback_path(tiny_llama_dir, monke
 
 
 @needs_prompt_kernel
-@pytest.mark.parametrize(
-    ("context", "uses_kernel"), [(PROMPT_KERNEL_MAX_KEYS - 2, True), (PROMPT_KERNEL_MAX_KEYS, False)]
-)
-def test_prompt_kernel_takes_spans_up_to_its_key_limit(context, uses_kernel):
-    """Past PROMPT_KERNEL_MAX_KEYS keys flash SDPA is as fast: such steps keep it, with the same result."""
+@pytest.mark.parametrize(("dtype", "context"), [(torch.float32, PROMPT_KERNEL_MAX_KEYS - 2),
+                                               (torch.float32, PROMPT_KERNEL_MAX_KEYS),
+                                               (torch.bfloat16, PROMPT_KERNEL_MAX_KEYS + 1500)])
+def test_prompt_kernel_takes_spans_up_to_its_key_limit(dtype, context):
+    """Past PROMPT_KERNEL_MAX_KEYS keys flash SDPA is as fast as the AVX-512 loop: such steps keep it. In AMX tiles
+    (bf16 on CPUs with AMX) the kernel is faster at any length and takes them too. The same result either way."""
     attn = PagedAttention(4, 2, 64, 0.125)
     num_blocks = (context + 2) // 16 + 1
-    attn.k_cache, attn.v_cache = torch.randn(num_blocks, 2, 16, 64), torch.randn(num_blocks, 2, 16, 64)
+    attn.k_cache = torch.randn(num_blocks, 2, 16, 64).to(dtype)
+    attn.v_cache = torch.randn(num_blocks, 2, 16, 64).to(dtype)
     no_slots = torch.zeros(2, dtype=torch.long)  # the K/V are in the pools already
     meta = AttentionMetadata(
         slot_blocks=no_slots, slot_offsets=no_slots, positions=torch.arange(context, context + 2),
         decode_block_tables=torch.zeros(0, 1, dtype=torch.long),
         prefills=[PrefillSpan(0, 2, list(range(num_blocks)), context + 2)],
     )
-    q = torch.randn(2, 4, 64)
+    q = torch.randn(2, 4, 64).to(dtype)
     with torch.profiler.profile() as profile:
         out = attn._attend_prefills(q, meta)
     called = "liteinfer::paged_prefill_attention" in {event.key for event in profile.key_averages()}
-    assert called == uses_kernel
+    assert called == (context < PROMPT_KERNEL_MAX_KEYS or kernels.prefill_in_amx_tiles(dtype))
     with mock.patch.object(kernels, "prefill_available", return_value=False):
-        torch.testing.assert_close(out, attn._attend_prefills(q, meta), atol=2e-5, rtol=2e-5)
+        expected = attn._attend_prefills(q, meta)
+    torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@needs_prompt_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_kernel_gives_the_same_bits_on_any_number_of_threads(dtype):
+    """The threads take runs of tasks of about equal work (a long span's later rows see more keys, so its tasks are
+    not equal): however they are split, every task runs once and alone computes its rows."""
+    torch.manual_seed(0)
+    attn = PagedAttention(6, 2, 64, 0.125)
+    attn.k_cache = torch.randn(80, 2, 16, 64).to(dtype)
+    attn.v_cache = torch.randn(80, 2, 16, 64).to(dtype)
+    tables = torch.randperm(80).view(4, 20).tolist()
+    lengths, contexts = (300, 5, 70, 17), (0, 200, 40, 300)
+    spans, positions, row = [], [], 0
+    for table, length, context in zip(tables, lengths, contexts, strict=True):
+        spans.append(PrefillSpan(row, row + length, table, context + length))
+        positions += range(context, context + length)
+        row += length
+    no_slots = torch.zeros(row, dtype=torch.long)
+    meta = AttentionMetadata(slot_blocks=no_slots, slot_offsets=no_slots, positions=torch.tensor(positions),
+                             decode_block_tables=torch.zeros(0, 1, dtype=torch.long), prefills=spans)
+    q = torch.randn(row, 6, 64).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for n in (1, 2, 3, 7):
+            torch.set_num_threads(n)
+            outputs.append(attn._attend_prefills(q, meta))
+    finally:
+        torch.set_num_threads(threads)
+    for out in outputs[1:]:
+        assert torch.equal(out, outputs[0])
+    with mock.patch.object(kernels, "prefill_available", return_value=False):
+        expected = attn._attend_prefills(q, meta)
+    torch.testing.assert_close(outputs[0], expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 def test_gathering_blocks_copies_those_blocks_only():
