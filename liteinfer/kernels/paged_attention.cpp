@@ -1065,7 +1065,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   // split evenly by count, the thread with a long span's second half had ~3/4 of the work (one span of 2,048 tokens
   // on 2 threads, in AMX tiles: 11.5 ms, against 6.4 split by work).
   const int64_t num_tasks = static_cast<int64_t>(task_span.size()) * kv_heads;
-  auto task_keys = [&](int64_t task) {  // its rows times the keys they walk (plus a step's worth for the rest)
+  auto task_work = [&](int64_t task) {  // its rows times the keys they walk (plus a step's worth for the rest)
     const int64_t s = task_span[task / kv_heads], r0 = task_row[task / kv_heads];
     const int64_t r1 = std::min(r0 + kRowsPerTask, starts[s + 1]);
     return (r1 - r0) * (pos[r1 - 1] - first_visible_key(pos[r0], sliding_window) + kSpanKeys);
@@ -1077,12 +1077,12 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
       const PromptTasks tasks{q_data, out_data, num_heads, kv_heads, group, k_panels.get(), v_panels.get(), keys,
                               key_base.data(), starts, pos, task_span.data(), task_row.data(),
                               static_cast<float>(scale), sliding_window};
-      return parallel_balanced(num_tasks, task_keys,
+      return parallel_balanced(num_tasks, task_work,
                                [&](int64_t begin, int64_t end) { amx_prompt_tasks<kDim>(tasks, begin, end); });
     }
   }
 #endif
-  parallel_balanced(num_tasks, task_keys, [&](int64_t begin, int64_t end) {
+  parallel_balanced(num_tasks, task_work, [&](int64_t begin, int64_t end) {
     const int64_t max_queries = kRowsPerTask * group;
     std::vector<float> query(max_queries * kDim), acc(max_queries * kDim), run_max(max_queries),
         run_sum(max_queries), scores(max_queries * kPanel);
