@@ -183,21 +183,29 @@ def test_triton_kernel_reads_no_slot_its_queries_may_not_see():
     torch.testing.assert_close(out.flatten(1), expected, atol=2e-5, rtol=2e-5)
 
 
-def prompt_spans(data, block_size: int, num_blocks: int, max_new: int = 40) -> AttentionMetadata:
-    """A step of 1-4 spans of 1-`max_new` new tokens on top of 0-50 cached ones (prefix hits, chunked prefill), each
-    on its own blocks drawn from the pools' `num_blocks`; the K/V are in the pools already."""
-    free = torch.randperm(num_blocks).tolist()
+def prefill_step(tables: list[list[int]], lengths, contexts) -> AttentionMetadata:
+    """A step of spans, span i computing lengths[i] new tokens on top of contexts[i] cached ones, on blocks tables[i];
+    the K/V are in the pools already."""
     spans, positions, row = [], [], 0
-    for _ in range(data.draw(st.integers(1, 4), label="spans")):
-        context = data.draw(st.integers(0, 50), label="context")
-        length = data.draw(st.integers(1, max_new), label="new")
-        table = [free.pop() for _ in range(-(-(context + length) // block_size))]
+    for table, length, context in zip(tables, lengths, contexts, strict=True):
         spans.append(PrefillSpan(row, row + length, table, context + length))
         positions += range(context, context + length)
         row += length
     no_slots = torch.zeros(row, dtype=torch.long)
     return AttentionMetadata(slot_blocks=no_slots, slot_offsets=no_slots, positions=torch.tensor(positions),
                              decode_block_tables=torch.zeros(0, 1, dtype=torch.long), prefills=spans)
+
+
+def prompt_spans(data, block_size: int, num_blocks: int, max_new: int = 40) -> AttentionMetadata:
+    """A step of 1-4 spans of 1-`max_new` new tokens on top of 0-50 cached ones (prefix hits, chunked prefill), each
+    on its own blocks drawn from the pools' `num_blocks`."""
+    free = torch.randperm(num_blocks).tolist()
+    tables, lengths, contexts = [], [], []
+    for _ in range(data.draw(st.integers(1, 4), label="spans")):
+        contexts.append(data.draw(st.integers(0, 50), label="context"))
+        lengths.append(data.draw(st.integers(1, max_new), label="new"))
+        tables.append([free.pop() for _ in range(-(-(contexts[-1] + lengths[-1]) // block_size))])
+    return prefill_step(tables, lengths, contexts)
 
 
 @settings(max_examples=25, deadline=None)
@@ -273,16 +281,8 @@ def test_prompt_kernel_matches_sdpa_over_long_spans(dim, window):
     attn.v_cache = torch.randn(64, 3, 16, dim).bfloat16()
     attn.k_cache[..., 0] *= torch.linspace(1, 8, 64)[:, None, None]  # later keys' scores grow: maxima move late
     tables = torch.randperm(64).view(2, 32).tolist()
-    lengths, contexts = (300, 37), (0, 450)  # a whole prompt; a chunk on top of a cached context
-    spans, positions, row = [], [], 0
-    for table, length, context in zip(tables, lengths, contexts, strict=True):
-        spans.append(PrefillSpan(row, row + length, table, context + length))
-        positions += range(context, context + length)
-        row += length
-    no_slots = torch.zeros(row, dtype=torch.long)  # the K/V are in the pools already
-    meta = AttentionMetadata(slot_blocks=no_slots, slot_offsets=no_slots, positions=torch.tensor(positions),
-                             decode_block_tables=torch.zeros(0, 1, dtype=torch.long), prefills=spans)
-    q = torch.randn(row, 9, dim).bfloat16()
+    meta = prefill_step(tables, lengths=(300, 37), contexts=(0, 450))  # a whole prompt; a chunk after a context
+    q = torch.randn(len(meta.positions), 9, dim).bfloat16()
 
     out = attn._attend_prefills(q, meta)  # the kernel, on CPU
     with mock.patch.object(kernels, "prefill_available", return_value=False):
@@ -375,16 +375,8 @@ def test_prompt_kernel_gives_the_same_bits_on_any_number_of_threads(dtype):
     attn.k_cache = torch.randn(80, 2, 16, 64).to(dtype)
     attn.v_cache = torch.randn(80, 2, 16, 64).to(dtype)
     tables = torch.randperm(80).view(4, 20).tolist()
-    lengths, contexts = (300, 5, 70, 17), (0, 200, 40, 300)
-    spans, positions, row = [], [], 0
-    for table, length, context in zip(tables, lengths, contexts, strict=True):
-        spans.append(PrefillSpan(row, row + length, table, context + length))
-        positions += range(context, context + length)
-        row += length
-    no_slots = torch.zeros(row, dtype=torch.long)
-    meta = AttentionMetadata(slot_blocks=no_slots, slot_offsets=no_slots, positions=torch.tensor(positions),
-                             decode_block_tables=torch.zeros(0, 1, dtype=torch.long), prefills=spans)
-    q = torch.randn(row, 6, 64).to(dtype)
+    meta = prefill_step(tables, lengths=(300, 5, 70, 17), contexts=(0, 200, 40, 300))
+    q = torch.randn(len(meta.positions), 6, 64).to(dtype)
     threads = torch.get_num_threads()
     try:
         outputs = []
