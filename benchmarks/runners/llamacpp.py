@@ -9,6 +9,11 @@ behind a -inf logit bias on every end-of-generation token, so that exactly the f
 
 llama.cpp reads GGUF only. Precision `q4_1` (or whatever type the GGUF has) runs the file as it is; `fp32`, `bf16`
 and `fp16` run a copy of the file re-encoded in that type (see `reencode_gguf`), written once into the cache.
+
+Option `extra_bufts=false` (`llamacpp:q4_1:extra_bufts=false`) loads the weights without llama.cpp's "extra" buffer
+types, the CPU backend's repacked layouts (AMX tiles, interleaved rows) for quantized types; default: llama.cpp's
+own (on). On the Intel Xeon with AMX of docs/benchmarks.md, llama-cpp-python 0.3.36 dies in its AMX repack of Q4_1
+weights (a segmentation fault before the first token); without extra buffers it runs them in its plain kernels.
 """
 
 from __future__ import annotations
@@ -93,9 +98,9 @@ class LlamaCppRunner(EngineRunner):
               "token when the prefill batch holding its end returns)")
 
     def start(self) -> None:
-        unknown = set(self.spec.options) - {"batch"}
+        unknown = set(self.spec.options) - {"batch", "extra_bufts"}
         if unknown:
-            raise ValueError(f"llamacpp takes only a batch width option, got {sorted(unknown)}")
+            raise ValueError(f"llamacpp takes a batch width and extra_bufts=true|false, got {sorted(unknown)}")
         source = gguf_path(self.model)
         file_type = gguf.LlamaFileType(gguf.GGUFReader(source).fields[gguf.Keys.General.FILE_TYPE].contents())
         if self.spec.precision in _REENCODED_TYPES:
@@ -110,7 +115,12 @@ class LlamaCppRunner(EngineRunner):
 
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp logs every load at length
         C.llama_backend_init()
-        self.llama_model = C.llama_model_load_from_file(str(path).encode(), C.llama_model_default_params())
+        model_params = C.llama_model_default_params()
+        extra_bufts = self.spec.options.get("extra_bufts", model_params.use_extra_bufts)
+        if not isinstance(extra_bufts, bool):
+            raise ValueError(f"llamacpp's extra_bufts is true or false, got {extra_bufts!r}")
+        model_params.use_extra_bufts = extra_bufts
+        self.llama_model = C.llama_model_load_from_file(str(path).encode(), model_params)
         if not self.llama_model:
             raise RuntimeError(f"llama.cpp could not load {path}")
         vocab = C.llama_model_get_vocab(self.llama_model)
@@ -134,6 +144,7 @@ class LlamaCppRunner(EngineRunner):
         self.batch = C.llama_batch_init(max(N_BATCH, self.width), 0, 1)
         self.details = {"llama_cpp_python": llama_cpp.__version__, "gguf": str(path), "source_type": file_type.name,
                         "n_ctx": C.llama_n_ctx(self.ctx), "batch": self.width, "threads": self.threads,
+                        "extra_bufts": extra_bufts,
                         "end_tokens_masked": end_tokens, "system": C.llama_print_system_info().decode().strip()}
 
     def stop(self) -> None:

@@ -89,3 +89,24 @@ def test_llamacpp_fp32_computes_the_same_tokens_as_liteinfer(tmp_path):
     [json_path] = tmp_path.glob("compare-*.json")
     rows = {row["engine"]: row for row in json.loads(json_path.read_text())["rows"]}
     assert rows["llamacpp-fp32"]["same_outputs_as_baseline"] == 3
+
+
+@pytest.mark.slow
+def test_llamacpp_runs_its_native_q4_1_file_without_extra_buffers(tmp_path):
+    """`extra_bufts=false` reaches llama.cpp's loader: the Q4_1 file runs without its repacked buffers (whose AMX
+    repack dies on an AMX CPU) and gives every forced token; a value that is not a bool fails the row."""
+    pytest.importorskip("llama_cpp", reason="llama.cpp is optional: pip install -e '.[bench]'")
+    command = [sys.executable, "-m", "benchmarks.compare",
+               "--engines", "llamacpp:q4_1:extra_bufts=false,llamacpp:q4_1:extra_bufts=no",
+               "--workloads", "throughput", "--num-prompts", "2", "--output-len", "4",
+               "--warmup-rounds", "0", "--output-dir", str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr  # the run exits 1 when any of its rows failed
+    [json_path] = tmp_path.glob("compare-*.json")
+    rows = {row["engine"]: row for row in json.loads(json_path.read_text())["rows"]}
+    ran = rows["llamacpp-q4_1-extra_bufts=false"]
+    assert ran["status"] == "ok" and ran["details"]["extra_bufts"] is False
+    assert ran["details"]["source_type"] == "MOSTLY_Q4_1"
+    assert [len(r["token_ids"]) for r in ran["requests"]] == [4, 4]
+    refused = rows["llamacpp-q4_1-extra_bufts=no"]
+    assert refused["status"] == "failed" and "extra_bufts is true or false" in refused["error"]
