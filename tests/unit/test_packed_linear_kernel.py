@@ -39,15 +39,36 @@ def test_packed_linear_is_within_fp32_summation_error_of_the_exact_product(rows,
     bias = bias if with_bias else None
     out = torch.ops.liteinfer.packed_linear(x, pack_weight(weight), bias)
     assert out.dtype == dtype and out.shape == (rows, 16 * blocks)
+    assert_within_summation_error(out, x, weight, bias)
+
+
+def assert_within_summation_error(out, x, weight, bias):
     as_double = [None if t is None else t.double() for t in (x, weight, bias)]
     exact = torch.nn.functional.linear(*as_double)
     # Summed in fp32 in any order, n terms err by at most about n * 2^-24 of their absolute sum (n: the inputs and
     # the bias); a bf16 output then rounds once more, by at most 2^-8 of its value.
     magnitude = torch.nn.functional.linear(*[None if t is None else t.abs() for t in as_double])
-    bound = (in_features + 2) * 2**-24 * magnitude
-    if dtype == torch.bfloat16:
+    bound = (x.shape[1] + 2) * 2**-24 * magnitude
+    if out.dtype == torch.bfloat16:
         bound = bound * (1 + 2**-8) + 2**-8 * exact.abs()
     assert ((out.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_many_rows_over_a_wide_weight_give_each_row_the_bits_it_gets_alone_in_its_block(dtype):
+    """Past 128 rows (an M block) the AMX loop walks a thread's share of W in chunks that stay in L2, every M block
+    over one chunk before the next. 384 inputs make a group of 48 outputs 36 KB, so a 512 KB chunk holds 14 groups
+    and 2,080 outputs (43 groups, the last of one block) several chunks a thread; 300 rows, three M blocks, the
+    last a part one. Every output is the same pass over the same inputs whatever order the passes run in, so the
+    rows' bits equal those of each M block's rows multiplied alone."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = ((300, 384), (2080, 384), (2080,))
+    x, weight, bias = (torch.randn(*shape, generator=generator).to(dtype) for shape in shapes)
+    packed = pack_weight(weight)
+    out = torch.ops.liteinfer.packed_linear(x, packed, bias)
+    assert_within_summation_error(out, x, weight, bias)
+    by_block = torch.cat([torch.ops.liteinfer.packed_linear(x[r:r + 128], packed, bias) for r in range(0, 300, 128)])
+    assert torch.equal(out, by_block)
 
 
 def test_amx_serves_bf16_where_the_cpu_has_it():
