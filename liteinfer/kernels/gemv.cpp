@@ -835,31 +835,43 @@ void amx_pass(const c10::BFloat16* weights, const int32_t* x_pairs, int64_t grou
       }
 }
 
+// Over more than kRowsPerPass rows of x a thread dequantizes a chunk of its pairs of W's row blocks at once, about
+// this many bytes, and runs every kRowsPerPass rows of x over the chunk before the next: W is dequantized once a
+// call, not once every kRowsPerPass rows, and the chunk stays in L2 (2 MB a core on these Xeons) beside those rows'
+// tiles.
+constexpr int64_t kAmxChunkBytes = 512 * 1024;
+
 template <typename Weights>
 void amx_rows(const Weights& weights, const c10::BFloat16* x, const c10::BFloat16* bias, c10::BFloat16* y,
               int64_t m, int64_t n) {
   const int64_t k = weights.k, groups = weights.groups(), row_pairs = (n + 2 * kAmxBlock - 1) / (2 * kAmxBlock);
-  for (int64_t m0 = 0; m0 < m; m0 += kRowsPerPass) {
-    const int64_t m_end = std::min(m, m0 + kRowsPerPass);
-    const std::vector<int32_t> x_pairs = amx_x_pairs(x + m0 * k, m_end - m0, k);
-    at::parallel_for(0, row_pairs, 1, [&](int64_t begin, int64_t end) {
-      const liteinfer::TileConfig config(8);
-      _tile_loadconfig(&config);
-      c10::BFloat16* dequantized = thread_buffer<c10::BFloat16>(2 * kAmxBlock * k);
-      for (int64_t pair = begin; pair < end; ++pair) {
-        const int64_t row0 = pair * 2 * kAmxBlock;
-        amx_dequantize(weights, row0, n, dequantized);
-        for (int64_t r0 = m0; r0 < m_end; r0 += 2 * kAmxBlock) {
-          const int32_t* tiles = x_pairs.data() + (r0 - m0) / kAmxBlock * groups * kAmxBlock * kAmxBlock;
-          if (m_end - r0 > kAmxBlock)
-            amx_pass<2>(dequantized, tiles, groups, bias, y, row0, r0, m_end, n);
-          else
-            amx_pass<1>(dequantized, tiles, groups, bias, y, row0, r0, m_end, n);
+  const int64_t pair_elements = 2 * kAmxBlock * k;  // a pair of blocks of W, dequantized
+  const int64_t chunk = m > kRowsPerPass ? std::max<int64_t>(1, kAmxChunkBytes / (2 * pair_elements)) : 1;
+  const std::vector<int32_t> x_pairs = amx_x_pairs(x, m, k);
+  at::parallel_for(0, row_pairs, 1, [&](int64_t begin, int64_t end) {
+    const liteinfer::TileConfig config(8);
+    _tile_loadconfig(&config);
+    c10::BFloat16* dequantized = thread_buffer<c10::BFloat16>(chunk * pair_elements);
+    for (int64_t c0 = begin; c0 < end; c0 += chunk) {
+      const int64_t c_end = std::min(end, c0 + chunk);
+      for (int64_t pair = c0; pair < c_end; ++pair)
+        amx_dequantize(weights, pair * 2 * kAmxBlock, n, dequantized + (pair - c0) * pair_elements);
+      for (int64_t m0 = 0; m0 < m; m0 += kRowsPerPass) {
+        const int64_t m_end = std::min(m, m0 + kRowsPerPass);
+        for (int64_t pair = c0; pair < c_end; ++pair) {
+          const c10::BFloat16* w = dequantized + (pair - c0) * pair_elements;
+          for (int64_t r0 = m0; r0 < m_end; r0 += 2 * kAmxBlock) {
+            const int32_t* tiles = x_pairs.data() + r0 / kAmxBlock * groups * kAmxBlock * kAmxBlock;
+            if (m_end - r0 > kAmxBlock)
+              amx_pass<2>(w, tiles, groups, bias, y, pair * 2 * kAmxBlock, r0, m_end, n);
+            else
+              amx_pass<1>(w, tiles, groups, bias, y, pair * 2 * kAmxBlock, r0, m_end, n);
+          }
         }
       }
-      _tile_release();
-    });
-  }
+    }
+    _tile_release();
+  });
 }
 #endif
 

@@ -187,11 +187,12 @@ def test_gemv_on_quantized_weights_gives_a_weight_row_the_same_result_beside_any
 
 @pytest.mark.parametrize("weight_cls", [Int8Weight, Int4Weight])
 @pytest.mark.parametrize(("rows", "out_features", "blocks"), [(5, 40, 2), (16, 49, 24), (17, 32, 1), (33, 96, 9),
-                                                              (130, 20, 3)])
+                                                              (130, 20, 3), (300, 2000, 9)])
 def test_gemv_on_quantized_weights_in_amx_tiles_sums_the_weights_in_bf16(weight_cls, rows, out_features, blocks):
     """On AMX CPUs, bf16 rows meet the weights dequantized to bf16: exactly x . bf16(W) summed in fp32 (shapes: one
     tile of x rows and a pair of them, a row past them, passes of 128 rows; W's rows in pairs of 16 and past them;
-    blocks of 64 inputs)."""
+    blocks of 64 inputs; past 128 rows, 2,000 outputs of 576 inputs: 63 pairs of blocks of W, dequantized 14 at a
+    time, so a thread's share in several chunks)."""
     assert kernels.load()
     torch.manual_seed(0)
     x = torch.randn(rows, blocks * 64).bfloat16()
