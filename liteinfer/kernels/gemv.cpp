@@ -765,11 +765,14 @@ std::vector<int32_t> amx_x_pairs(const c10::BFloat16* x, int64_t m, int64_t k) {
 }
 
 // Rows [row0, row0 + 32) of W (those past n as zeros) in bf16, as tiles: for each group of 32 inputs, the 16 rows
-// of each block of 16 side by side ([block][group][16][32]).
+// of each block of 16 side by side ([block][group][16][32]). While a row is dequantized, the same row of the next
+// 32 (below `prefetch_end`) is requested into L2, a line every line's worth of groups: without it the conversions
+// waited on the levels' loads (the hardware's prefetcher alone, ~7 GB/s a core), and SmolLM2's int8 linears at 16
+// and 32 rows took ~1.2x their time, int4 ~1.1x (docs/benchmarks.md).
 template <typename Weights>
-void amx_dequantize(const Weights& weights, int64_t row0, int64_t n, c10::BFloat16* out) {
+void amx_dequantize(const Weights& weights, int64_t row0, int64_t n, int64_t prefetch_end, c10::BFloat16* out) {
   constexpr int64_t rows = 2 * kAmxBlock, tile = kAmxBlock * kInt8Group;
-  const int64_t groups = weights.groups();
+  const int64_t groups = weights.groups(), group_bytes = weights.level_bytes() / groups;
   for (int64_t i = 0; i < rows; ++i) {
     c10::BFloat16* tile_row = out + i / kAmxBlock * groups * tile + i % kAmxBlock * kInt8Group;
     const int64_t row = row0 + i;
@@ -777,11 +780,14 @@ void amx_dequantize(const Weights& weights, int64_t row0, int64_t n, c10::BFloat
       for (int64_t g = 0; g < groups; ++g) _mm512_storeu_si512(tile_row + g * tile, _mm512_setzero_si512());
       continue;
     }
+    const char* next = row + rows < prefetch_end ? static_cast<const char*>(weights.levels_of(row + rows)) : nullptr;
     for (int64_t g0 = 0; g0 < groups; g0 += Int8Vectors::chunk) {
       const int64_t count = std::min(Int8Vectors::chunk, groups - g0);
       alignas(64) float s[Int8Vectors::chunk], z[Int8Vectors::chunk];
       dequantizing_factors(weights, row, g0, count, s, z);
       for (int64_t j = 0; j < count; ++j) {
+        const int64_t offset = (g0 + j) * group_bytes;
+        if (next != nullptr && offset % liteinfer::packed::LINE == 0) _mm_prefetch(next + offset, _MM_HINT_T1);
         const __m512 first = dequantized16(weights, row, g0 + j, 0, s[j], z[j]),
                      second = dequantized16(weights, row, g0 + j, 1, s[j], z[j]);
         _mm512_storeu_si512(tile_row + (g0 + j) * tile, (__m512i)_mm512_cvtne2ps_pbh(second, first));
@@ -855,7 +861,8 @@ void amx_rows(const Weights& weights, const c10::BFloat16* x, const c10::BFloat1
     for (int64_t c0 = begin; c0 < end; c0 += chunk) {
       const int64_t c_end = std::min(end, c0 + chunk);
       for (int64_t pair = c0; pair < c_end; ++pair)
-        amx_dequantize(weights, pair * 2 * kAmxBlock, n, dequantized + (pair - c0) * pair_elements);
+        amx_dequantize(weights, pair * 2 * kAmxBlock, n, std::min(n, end * 2 * kAmxBlock),
+                       dequantized + (pair - c0) * pair_elements);
       for (int64_t m0 = 0; m0 < m; m0 += kRowsPerPass) {
         const int64_t m_end = std::min(m, m0 + kRowsPerPass);
         for (int64_t pair = c0; pair < c_end; ++pair) {
