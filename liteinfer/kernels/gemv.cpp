@@ -841,28 +841,25 @@ void amx_pass(const c10::BFloat16* weights, const int32_t* x_pairs, int64_t grou
       }
 }
 
-// Over more than kRowsPerPass rows of x a thread dequantizes a chunk of its pairs of W's row blocks at once, about
-// this many bytes, and runs every kRowsPerPass rows of x over the chunk before the next: W is dequantized once a
-// call, not once every kRowsPerPass rows, and the chunk stays in L2 (2 MB a core on these Xeons) beside those rows'
-// tiles.
-constexpr int64_t kAmxChunkBytes = 512 * 1024;
-
 template <typename Weights>
 void amx_rows(const Weights& weights, const c10::BFloat16* x, const c10::BFloat16* bias, c10::BFloat16* y,
               int64_t m, int64_t n) {
   const int64_t k = weights.k, groups = weights.groups(), row_pairs = (n + 2 * kAmxBlock - 1) / (2 * kAmxBlock);
   const int64_t pair_elements = 2 * kAmxBlock * k;  // a pair of blocks of W, dequantized
-  const int64_t chunk = m > kRowsPerPass ? std::max<int64_t>(1, kAmxChunkBytes / (2 * pair_elements)) : 1;
+  // Over more than kRowsPerPass rows a thread dequantizes liteinfer::kAmxChunkBytes of its pairs at once and runs
+  // every kRowsPerPass rows over them before the next: W dequantized once a call.
+  const int64_t chunk =
+      m > kRowsPerPass ? std::max<int64_t>(1, liteinfer::kAmxChunkBytes / (2 * pair_elements)) : 1;
   const std::vector<int32_t> x_pairs = amx_x_pairs(x, m, k);
   at::parallel_for(0, row_pairs, 1, [&](int64_t begin, int64_t end) {
     const liteinfer::TileConfig config(8);
     _tile_loadconfig(&config);
     c10::BFloat16* dequantized = thread_buffer<c10::BFloat16>(chunk * pair_elements);
+    const int64_t prefetch_end = std::min(n, end * 2 * kAmxBlock);  // the end of the thread's rows of W
     for (int64_t c0 = begin; c0 < end; c0 += chunk) {
       const int64_t c_end = std::min(end, c0 + chunk);
       for (int64_t pair = c0; pair < c_end; ++pair)
-        amx_dequantize(weights, pair * 2 * kAmxBlock, n, std::min(n, end * 2 * kAmxBlock),
-                       dequantized + (pair - c0) * pair_elements);
+        amx_dequantize(weights, pair * 2 * kAmxBlock, n, prefetch_end, dequantized + (pair - c0) * pair_elements);
       for (int64_t m0 = 0; m0 < m; m0 += kRowsPerPass) {
         const int64_t m_end = std::min(m, m0 + kRowsPerPass);
         for (int64_t pair = c0; pair < c_end; ++pair) {

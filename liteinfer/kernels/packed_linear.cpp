@@ -51,13 +51,9 @@ constexpr int64_t M_BLOCK = 128;  // rows per pass over W: their x stays in L2 (
 // tiles 4..3+NB; every 16 rows re-read the group from L2. Rows are taken 16 at a time, the last 16 from a
 // zero-padded copy of x; inputs must come in multiples of 32 (else the AVX-512 tiles serve).
 
-using liteinfer::amx_permitted, liteinfer::TileConfig;
+using liteinfer::amx_permitted, liteinfer::kAmxChunkBytes, liteinfer::TileConfig;
 
 constexpr int64_t AMX_ROWS = 16, AMX_INPUTS = 32;
-// Over more than M_BLOCK rows a thread walks its share of W a chunk of groups at a time, every M block of rows over
-// one chunk before the next: the chunk stays in L2 (2 MB a core on these Xeons, beside an M block's x and y), so W
-// comes from memory once a call, not once an M block (16 times at 2,048 rows: 1.75 -> ~2.1 TFLOP/s there).
-constexpr int64_t AMX_CHUNK_BYTES = 512 * 1024;
 
 // y[rows valid of 16 padded, 16 * NB outputs] = x[16 rows] . the group of NB blocks at `w` (+ b), through `sums`
 // (16 x 16 * NB fp32).
@@ -100,7 +96,9 @@ void amx_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat1
   std::vector<c10::BFloat16> tail(m > full ? AMX_ROWS * k : 0);
   std::copy(x + full * k, x + m * k, tail.begin());
   const int64_t blocks = n / 16, block_size = k * 16, groups = (blocks + BLOCKS - 1) / BLOCKS;
-  const int64_t chunk = std::max<int64_t>(1, AMX_CHUNK_BYTES / (BLOCKS * block_size * 2));
+  // A thread's share of groups in chunks of kAmxChunkBytes, every M block over one chunk before the next (at 2,048
+  // rows, W from memory once instead of 16 times: 1.75 -> ~2.1 TFLOP/s).
+  const int64_t chunk = std::max<int64_t>(1, kAmxChunkBytes / (BLOCKS * block_size * 2));
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     const TileConfig config(4 + BLOCKS);
     _tile_loadconfig(&config);
