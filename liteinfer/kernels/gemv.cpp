@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -747,20 +748,24 @@ inline __m512 dequantized16(const Weights& weights, int64_t row, int64_t g, int 
 constexpr int64_t kAmxBlock = 16;
 
 // x [m, k] bf16 as tiles of 16 rows (the last zero-padded): for each pair of inputs, the 16 rows' pairs side by side.
-std::vector<int32_t> amx_x_pairs(const c10::BFloat16* x, int64_t m, int64_t k) {
+// Past 128 rows the threads share the tiles, and nothing is zeroed first (every element is written): done by one
+// thread into a zeroed vector, this took ~10% of an int8 prompt step of 2,048 tokens (docs/benchmarks.md).
+std::unique_ptr<int32_t[]> amx_x_pairs(const c10::BFloat16* x, int64_t m, int64_t k) {
   const int64_t tiles = (m + kAmxBlock - 1) / kAmxBlock, pairs = k / 2;
-  std::vector<int32_t> out(tiles * pairs * kAmxBlock);
+  std::unique_ptr<int32_t[]> out(new int32_t[tiles * pairs * kAmxBlock]);
   const int32_t* x_pairs = reinterpret_cast<const int32_t*>(x);
   const __m512i row_offsets =
       _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                          _mm512_set1_epi32(static_cast<int32_t>(pairs)));
-  for (int64_t t = 0; t < tiles; ++t) {
-    const __mmask16 valid = static_cast<__mmask16>((1u << std::min(kAmxBlock, m - t * kAmxBlock)) - 1);
-    const int32_t* rows = x_pairs + t * kAmxBlock * pairs;
-    for (int64_t p = 0; p < pairs; ++p)
-      _mm512_storeu_si512(out.data() + (t * pairs + p) * kAmxBlock,
-                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, row_offsets, rows + p, 4));
-  }
+  at::parallel_for(0, tiles, kRowsPerPass / kAmxBlock, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const __mmask16 valid = static_cast<__mmask16>((1u << std::min(kAmxBlock, m - t * kAmxBlock)) - 1);
+      const int32_t* rows = x_pairs + t * kAmxBlock * pairs;
+      for (int64_t p = 0; p < pairs; ++p)
+        _mm512_storeu_si512(out.get() + (t * pairs + p) * kAmxBlock,
+                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, row_offsets, rows + p, 4));
+    }
+  });
   return out;
 }
 
@@ -850,7 +855,7 @@ void amx_rows(const Weights& weights, const c10::BFloat16* x, const c10::BFloat1
   // every kRowsPerPass rows over them before the next: W dequantized once a call.
   const int64_t chunk =
       m > kRowsPerPass ? std::max<int64_t>(1, liteinfer::kAmxChunkBytes / (2 * pair_elements)) : 1;
-  const std::vector<int32_t> x_pairs = amx_x_pairs(x, m, k);
+  const std::unique_ptr<int32_t[]> x_pairs = amx_x_pairs(x, m, k);
   at::parallel_for(0, row_pairs, 1, [&](int64_t begin, int64_t end) {
     const liteinfer::TileConfig config(8);
     _tile_loadconfig(&config);
@@ -865,7 +870,7 @@ void amx_rows(const Weights& weights, const c10::BFloat16* x, const c10::BFloat1
         for (int64_t pair = c0; pair < c_end; ++pair) {
           const c10::BFloat16* w = dequantized + (pair - c0) * pair_elements;
           for (int64_t r0 = m0; r0 < m_end; r0 += 2 * kAmxBlock) {
-            const int32_t* tiles = x_pairs.data() + r0 / kAmxBlock * groups * kAmxBlock * kAmxBlock;
+            const int32_t* tiles = x_pairs.get() + r0 / kAmxBlock * groups * kAmxBlock * kAmxBlock;
             if (m_end - r0 > kAmxBlock)
               amx_pass<2>(w, tiles, groups, bias, y, pair * 2 * kAmxBlock, r0, m_end, n);
             else

@@ -9,6 +9,7 @@
 // ROWS rows by one group (up to 48 outputs) of fp32 sums in registers and reads the group front to back, one
 // sequential stream; every tile of rows re-reads the group from L2, while the thread's next group is prefetched
 // into L2 over the tiles before the last, so that W comes from DRAM once per call, overlapped with the arithmetic.
+// Threads share W's groups, or from SHARE_ROWS_FROM rows on x's rows (each then reads all of W).
 // On SmolLM2's linears this ran about 1.5x oneDNN's prepacked matmul at 32 rows, level with our one-row GEMV at
 // one row, and level with oneDNN from 256 rows up (docs/benchmarks.md).
 //
@@ -42,6 +43,30 @@ using liteinfer::packed::store_outputs;
 #endif
 
 constexpr int64_t M_BLOCK = 128;  // rows per pass over W: their x stays in L2 (128 x 1536 bf16: 384 KB)
+
+// A thread's part of a call: rows [row_begin, row_end) of x and y, groups [group_begin, group_end) of W.
+struct Share {
+  int64_t row_begin, row_end, group_begin, group_end;
+};
+
+// From this many rows on, the threads share x's rows and each reads all of W, rather than sharing W's groups and
+// each reading all of x: a thread then reads and writes only its own rows of x and y, the rows that the layer's
+// row-parallel ops before and after it (norms, rotary, the activation: at::parallel_for over rows) write and read
+// on the same core. On the Intel Xeon, eager bf16 prompt steps of 512 / 1,024 / 2,048 tokens 5-6% / 9% / 7-11%
+// faster, fp32 ones of 1,280 3-5%; at 256 rows sharing them was level or slower (docs/benchmarks.md).
+constexpr int64_t SHARE_ROWS_FROM = 512;
+
+// body(share) on each thread, rows shared (in units of `row_unit`) or groups shared, as above.
+template <typename Body>
+void share_out(int64_t m, int64_t groups, int64_t row_unit, const Body& body) {
+  if (m >= SHARE_ROWS_FROM) {
+    at::parallel_for(0, (m + row_unit - 1) / row_unit, 1, [&](int64_t begin, int64_t end) {
+      body(Share{begin * row_unit, std::min(m, end * row_unit), 0, groups});
+    });
+  } else {
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) { body(Share{0, m, begin, end}); });
+  }
+}
 
 #if defined(LITEINFER_AMX)
 // CPUs with AMX (Intel Xeon since Sapphire Rapids) multiply bf16 in tiles: one tdpbf16ps adds a 16 x 32 tile of x
@@ -96,17 +121,17 @@ void amx_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat1
   std::vector<c10::BFloat16> tail(m > full ? AMX_ROWS * k : 0);
   std::copy(x + full * k, x + m * k, tail.begin());
   const int64_t blocks = n / 16, block_size = k * 16, groups = (blocks + BLOCKS - 1) / BLOCKS;
-  // A thread's share of groups in chunks of kAmxChunkBytes, every M block over one chunk before the next (at 2,048
-  // rows, W from memory once instead of 16 times: 1.75 -> ~2.1 TFLOP/s).
+  // A thread's groups in chunks of kAmxChunkBytes, every M block of its rows over one chunk before the next (at
+  // 2,048 rows, W from memory once instead of 16 times: 1.75 -> ~2.1 TFLOP/s).
   const int64_t chunk = std::max<int64_t>(1, kAmxChunkBytes / (BLOCKS * block_size * 2));
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+  share_out(m, groups, AMX_ROWS, [&](const Share& share) {
     const TileConfig config(4 + BLOCKS);
     _tile_loadconfig(&config);
     alignas(64) float sums[AMX_ROWS * BLOCKS * 16];
-    for (int64_t c0 = begin; c0 < end; c0 += chunk) {
-      const int64_t c_end = std::min(end, c0 + chunk);
-      for (int64_t m0 = 0; m0 < m; m0 += M_BLOCK) {
-        const int64_t m_end = std::min(m, m0 + M_BLOCK);
+    for (int64_t c0 = share.group_begin; c0 < share.group_end; c0 += chunk) {
+      const int64_t c_end = std::min(share.group_end, c0 + chunk);
+      for (int64_t m0 = share.row_begin; m0 < share.row_end; m0 += M_BLOCK) {
+        const int64_t m_end = std::min(share.row_end, m0 + M_BLOCK);
         for (int64_t g = c0; g < c_end; ++g) {
           const int64_t b0 = g * BLOCKS, nb = std::min(BLOCKS, blocks - b0);
           for (int64_t r0 = m0; r0 < m_end; r0 += AMX_ROWS) {
@@ -127,10 +152,11 @@ void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, 
   const int64_t blocks = n / 16, block_size = k * 16;  // elements per block
   const int64_t lines_per_block = block_size * static_cast<int64_t>(sizeof(T)) / LINE;
   const int64_t groups = (blocks + BLOCKS - 1) / BLOCKS;
-  for (int64_t m0 = 0; m0 < m; m0 += M_BLOCK) {
-    const int64_t m_end = std::min(m, m0 + M_BLOCK), num_tiles = (m_end - m0 + ROWS - 1) / ROWS;
-    // Each thread takes a contiguous share of the groups of blocks: one stream through its part of W.
-    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+  // A thread's rows an M block at a time, each block over the thread's groups: one stream through its part of W.
+  share_out(m, groups, ROWS, [&](const Share& share) {
+    const int64_t begin = share.group_begin, end = share.group_end;
+    for (int64_t m0 = share.row_begin; m0 < share.row_end; m0 += M_BLOCK) {
+      const int64_t m_end = std::min(share.row_end, m0 + M_BLOCK), num_tiles = (m_end - m0 + ROWS - 1) / ROWS;
       int64_t g = begin;
 #if defined(LITEINFER_PACKED_AVX2)
       // One row on AVX2: the share's whole groups cut into GROUPS equal parts, read side by side (a stream each,
@@ -170,8 +196,8 @@ void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, 
                                                                y + r0 * n + b0 * 16, n, prefetch);
         }
       }
-    });
-  }
+    }
+  });
 }
 
 bool packed_linear_takes(at::ScalarType dtype) {
