@@ -9,7 +9,7 @@
 // ROWS rows by one group (up to 48 outputs) of fp32 sums in registers and reads the group front to back, one
 // sequential stream; every tile of rows re-reads the group from L2, while the thread's next group is prefetched
 // into L2 over the tiles before the last, so that W comes from DRAM once per call, overlapped with the arithmetic.
-// Threads share W's groups, or from SHARE_ROWS_FROM rows on x's rows (each then reads all of W).
+// Threads share W's groups, or from SHARE_ROWS_FROM rows a thread on x's rows (each then reads all of W).
 // On SmolLM2's linears this ran about 1.5x oneDNN's prepacked matmul at 32 rows, level with our one-row GEMV at
 // one row, and level with oneDNN from 256 rows up (docs/benchmarks.md).
 //
@@ -49,17 +49,18 @@ struct Share {
   int64_t row_begin, row_end, group_begin, group_end;
 };
 
-// From this many rows on, the threads share x's rows and each reads all of W, rather than sharing W's groups and
-// each reading all of x: a thread then reads and writes only its own rows of x and y, the rows that the layer's
-// row-parallel ops before and after it (norms, rotary, the activation: at::parallel_for over rows) write and read
-// on the same core. On the Intel Xeon, eager bf16 prompt steps of 512 / 1,024 / 2,048 tokens 5-6% / 9% / 7-11%
-// faster, fp32 ones of 1,280 3-5%; at 256 rows sharing them was level or slower (docs/benchmarks.md).
-constexpr int64_t SHARE_ROWS_FROM = 512;
+// From this many rows a thread on, the threads share x's rows and each reads all of W, rather than sharing W's
+// groups and each reading all of x: a thread then reads and writes only its own rows of x and y, the rows that the
+// layer's row-parallel ops before and after it (norms, rotary, the activation: at::parallel_for over rows) write and
+// read on the same core. On the Intel Xeon (2 threads), eager bf16 prompt steps of 512 / 1,024 / 2,048 tokens 5-6% /
+// 9% / 7-11% faster, fp32 ones of 1,280 3-5%; at 128 rows a thread sharing them was level or slower
+// (docs/benchmarks.md). Counted per thread: with fewer rows each, every thread would stream all of W for a few rows.
+constexpr int64_t SHARE_ROWS_FROM = 256;
 
 // body(share) on each thread, rows shared (in units of `row_unit`) or groups shared, as above.
 template <typename Body>
 void share_out(int64_t m, int64_t groups, int64_t row_unit, const Body& body) {
-  if (m >= SHARE_ROWS_FROM) {
+  if (m >= SHARE_ROWS_FROM * at::get_num_threads()) {
     at::parallel_for(0, (m + row_unit - 1) / row_unit, 1, [&](int64_t begin, int64_t end) {
       body(Share{begin * row_unit, std::min(m, end * row_unit), 0, groups});
     });

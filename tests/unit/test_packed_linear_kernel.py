@@ -57,20 +57,26 @@ def assert_within_summation_error(out, x, weight, bias):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_many_rows_over_a_wide_weight_give_each_row_the_bits_it_gets_alone_in_its_block(dtype):
     """Past 128 rows (an M block) the AMX loop walks a thread's groups of W in chunks that stay in L2, every M block
-    over one chunk before the next; from 512 rows on the threads share the rows, each over all of W. 384 inputs make
-    a group of 48 outputs 36 KB, so a 512 KB chunk holds 14 groups and 2,080 outputs (43 groups, the last of one
-    block) several chunks a thread; 700 rows, rows shared by threads from row 352 on (the 16-row tiles split in
-    two), six M blocks, the last a part one. Every output is the same pass over the same inputs whatever order the
-    passes run in and whichever thread runs them, so the rows' bits equal those of each M block's rows multiplied
-    alone (fewer than 512: the threads share the groups)."""
+    over one chunk before the next; from 256 rows a thread on the threads share the rows, each over all of W. 384
+    inputs make a group of 48 outputs 36 KB, so a 512 KB chunk holds 14 groups and 2,080 outputs (43 groups, the
+    last of one block) several chunks a thread; 700 rows on two threads, rows shared from row 352 on (the 16-row
+    tiles split in two), six M blocks, the last a part one. Every output is the same pass over the same inputs
+    whatever order the passes run in and whichever thread runs them, so the rows' bits equal those of each M
+    block's rows multiplied alone (the threads then share the groups)."""
     generator = torch.Generator().manual_seed(0)
     rows = 700
     shapes = ((rows, 384), (2080, 384), (2080,))
     x, weight, bias = (torch.randn(*shape, generator=generator).to(dtype) for shape in shapes)
     packed = pack_weight(weight)
-    out = torch.ops.liteinfer.packed_linear(x, packed, bias)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = torch.ops.liteinfer.packed_linear(x, packed, bias)
+        by_block = torch.cat([torch.ops.liteinfer.packed_linear(x[r:r + 128], packed, bias)
+                              for r in range(0, rows, 128)])
+    finally:
+        torch.set_num_threads(threads)
     assert_within_summation_error(out, x, weight, bias)
-    by_block = torch.cat([torch.ops.liteinfer.packed_linear(x[r:r + 128], packed, bias) for r in range(0, rows, 128)])
     assert torch.equal(out, by_block)
 
 
