@@ -749,7 +749,7 @@ constexpr int64_t kAmxBlock = 16;
 
 // x [m, k] bf16 as tiles of 16 rows (the last zero-padded): for each pair of inputs, the 16 rows' pairs side by side.
 // Past 128 rows the threads share the tiles, and nothing is zeroed first (every element is written): done by one
-// thread into a zeroed vector, this took ~10% of an int8 prompt step of 2,048 tokens (docs/benchmarks.md).
+// thread into a zeroed vector, int8 prompt steps of 512-2,048 tokens took 1.09-1.15x their time (docs/benchmarks.md).
 std::unique_ptr<int32_t[]> amx_x_pairs(const c10::BFloat16* x, int64_t m, int64_t k) {
   const int64_t tiles = (m + kAmxBlock - 1) / kAmxBlock, pairs = k / 2;
   std::unique_ptr<int32_t[]> out(new int32_t[tiles * pairs * kAmxBlock]);
