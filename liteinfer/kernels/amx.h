@@ -1,6 +1,7 @@
 // AMX (Intel Xeon since Sapphire Rapids), shared by the packed linears (packed_linear.cpp), the quantized batches
 // (gemv.cpp) and prompt attention (paged_attention.cpp): the permission Linux asks for before a thread may use the
-// tiles, the one tile shape the kernels configure, and the chunk of W the linears keep in L2 over many rows. Builds for CPUs without AMX define nothing here (LITEINFER_AMX unset).
+// tiles, the one tile shape the kernels configure, and the chunk of W the linears keep in L2 over many rows. Builds
+// for CPUs without AMX define nothing here (LITEINFER_AMX unset).
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)

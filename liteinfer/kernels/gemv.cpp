@@ -70,7 +70,8 @@ struct Step<c10::BFloat16, c10::BFloat16> {
   }
   static __m512 tail(__m512 acc, const c10::BFloat16* w, const c10::BFloat16* x, int64_t count) {
     const __mmask32 mask = static_cast<__mmask32>((1ull << count) - 1);
-    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(mask, w), (__m512bh)_mm512_maskz_loadu_epi16(mask, x));
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(mask, w),
+                            (__m512bh)_mm512_maskz_loadu_epi16(mask, x));
   }
 };
 #endif
