@@ -46,6 +46,12 @@ AVX-512 BF16 (fp32 and bf16) or with AVX2 and FMA (bf16 only): `packed_linear_av
 (`packed_linear_amx()`), bf16 with inputs in multiples of 32 is multiplied in AMX tiles, the sums still fp32 (the
 tiles take subnormal bf16 inputs as zero).
 
+`packed_gated_linear(x [rows, in], weight [2, size / 16, in / pair, 16, pair], bias [2 * size] or None, act)` ->
+[rows, size] = act(x G^T + b_g) * (x U^T + b_u), a gated MLP's gate/up matmul and its activation in one pass, for
+W = [G; U] packed by `layers/linear.py: pack_gate_up` (each half as `pack_weight` packs it); act "silu" or
+"gelu_tanh"; the same bits as `gated_activation(packed_linear(x, pack_weight(W), bias), act)`. Built where
+`packed_linear` is.
+
 `gemv(x [1, in], weight [out, in] contiguous, scales_and_zeros or None, bias [out] or None)` -> [1, out] =
 x W^T (+ bias), summed in fp32, in x's dtype (fp32 or bf16): a float weight W is in x's dtype and takes no scales;
 a quantized weight takes x [rows, in] (any number of rows: a row's result does not depend on the others). An int8
@@ -199,6 +205,10 @@ def _build() -> None:
         @torch.library.register_fake("liteinfer::packed_linear")
         def _(x, weight, bias):
             return x.new_empty(x.shape[0], weight.shape[0] * 16)
+
+        @torch.library.register_fake("liteinfer::packed_gated_linear")
+        def _(x, weight, bias, act):
+            return x.new_empty(x.shape[0], weight.shape[1] * 16)
 
     if hasattr(torch.ops.liteinfer, "paged_prefill_attention"):
 

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "gate_row.h"
 
 namespace {
 
@@ -66,6 +67,31 @@ void share_out(int64_t m, int64_t groups, int64_t row_unit, const Body& body) {
     });
   } else {
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) { body(Share{0, m, begin, end}); });
+  }
+}
+
+// What a call makes of the products: y = x W^T (+ b), or for a gate/up W packed in halves (gate's rows, then up's,
+// each half packed on its own by layers/linear.py: pack_gate_up, so that group g of each covers the same outputs)
+// act(x G^T + b_g) * (x U^T + b_u): the gated MLP's activation made beside its matmul, where gated_activation would
+// write gate/up's outputs out and read them back (prompt steps: 12 MB each way at 2,048 rows of SmolLM2).
+enum class Act { kNone, kSilu, kGeluTanh };
+
+constexpr int64_t GROUP_OUTPUTS = BLOCKS * 16;
+
+// The outputs of the group whose first block is b0 (nb blocks) for `rows` rows of y (y at their first row, n_out a
+// row): `pass(first_block, out, stride)` multiplies the rows by W's group from first_block into out (`stride` a row).
+// Gated, gate's group and up's go into `scratch` (a row of each side by side), rounded to T as a linear's outputs
+// are, and liteinfer::gate_row makes act(gate) * up from them as gated_activation would (the same bits).
+template <typename T, typename Pass>
+void group_outputs(Act act, int64_t half_blocks, int64_t b0, int64_t nb, int64_t rows, T* y, int64_t n_out,
+                   T* scratch, const Pass& pass) {
+  if (act == Act::kNone) return pass(b0, y + b0 * 16, n_out);
+  pass(b0, scratch, 2 * GROUP_OUTPUTS);
+  pass(half_blocks + b0, scratch + GROUP_OUTPUTS, 2 * GROUP_OUTPUTS);
+  const auto gate_row = act == Act::kSilu ? &liteinfer::gate_row<T, false> : &liteinfer::gate_row<T, true>;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = scratch + r * 2 * GROUP_OUTPUTS;
+    gate_row(gate, gate + GROUP_OUTPUTS, y + r * n_out + b0 * 16, nb * 16);
   }
 }
 
@@ -113,7 +139,7 @@ void amx_pass(const c10::BFloat16* x, int64_t k, const c10::BFloat16* w, const c
 }
 
 void amx_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y,
-              int64_t m, int64_t n, int64_t k) {
+              int64_t m, int64_t n, int64_t k, Act act) {
   using Pass = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::BFloat16*, c10::BFloat16*,
                         int64_t, int64_t, float*);
   static constexpr std::array<Pass, BLOCKS + 1> by_blocks = {nullptr, &amx_pass<1>, &amx_pass<2>, &amx_pass<3>};
@@ -121,24 +147,30 @@ void amx_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat1
   const int64_t full = m / AMX_ROWS * AMX_ROWS;
   std::vector<c10::BFloat16> tail(m > full ? AMX_ROWS * k : 0);
   std::copy(x + full * k, x + m * k, tail.begin());
-  const int64_t blocks = n / 16, block_size = k * 16, groups = (blocks + BLOCKS - 1) / BLOCKS;
+  const int64_t halves = act == Act::kNone ? 1 : 2, block_size = k * 16;
+  const int64_t half_blocks = n / 16 / halves, groups = (half_blocks + BLOCKS - 1) / BLOCKS, n_out = n / halves;
   // A thread's groups in chunks of kAmxChunkBytes, every M block of its rows over one chunk before the next (at
   // 2,048 rows, W from memory once instead of 16 times: 1.75 -> ~2.1 TFLOP/s).
-  const int64_t chunk = std::max<int64_t>(1, kAmxChunkBytes / (BLOCKS * block_size * 2));
+  const int64_t chunk = std::max<int64_t>(1, kAmxChunkBytes / (halves * BLOCKS * block_size * 2));
   share_out(m, groups, AMX_ROWS, [&](const Share& share) {
     const TileConfig config(4 + BLOCKS);
     _tile_loadconfig(&config);
     alignas(64) float sums[AMX_ROWS * BLOCKS * 16];
+    alignas(64) c10::BFloat16 scratch[AMX_ROWS * 2 * GROUP_OUTPUTS];
     for (int64_t c0 = share.group_begin; c0 < share.group_end; c0 += chunk) {
       const int64_t c_end = std::min(share.group_end, c0 + chunk);
       for (int64_t m0 = share.row_begin; m0 < share.row_end; m0 += M_BLOCK) {
         const int64_t m_end = std::min(share.row_end, m0 + M_BLOCK);
         for (int64_t g = c0; g < c_end; ++g) {
-          const int64_t b0 = g * BLOCKS, nb = std::min(BLOCKS, blocks - b0);
+          const int64_t b0 = g * BLOCKS, nb = std::min(BLOCKS, half_blocks - b0);
           for (int64_t r0 = m0; r0 < m_end; r0 += AMX_ROWS) {
             const c10::BFloat16* rows_x = r0 < full ? x + r0 * k : tail.data();
-            by_blocks[nb](rows_x, k, w + b0 * block_size, bias ? bias + b0 * 16 : nullptr, y + r0 * n + b0 * 16, n,
-                          std::min(AMX_ROWS, m_end - r0), sums);
+            const int64_t rows = std::min(AMX_ROWS, m_end - r0);
+            group_outputs(act, half_blocks, b0, nb, rows, y + r0 * n_out, n_out, scratch,
+                          [&](int64_t first, c10::BFloat16* out, int64_t stride) {
+                            by_blocks[nb](rows_x, k, w + first * block_size, bias ? bias + first * 16 : nullptr, out,
+                                          stride, rows, sums);
+                          });
           }
         }
       }
@@ -149,12 +181,14 @@ void amx_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat1
 #endif
 
 template <typename T>
-void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, int64_t k) {
-  const int64_t blocks = n / 16, block_size = k * 16;  // elements per block
+void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, int64_t k, Act act) {
+  const int64_t halves = act == Act::kNone ? 1 : 2, block_size = k * 16;  // elements per block
+  const int64_t blocks = n / 16 / halves, n_out = n / halves;  // blocks: of W, or of each half when gated
   const int64_t lines_per_block = block_size * static_cast<int64_t>(sizeof(T)) / LINE;
   const int64_t groups = (blocks + BLOCKS - 1) / BLOCKS;
   // A thread's rows an M block at a time, each block over the thread's groups: one stream through its part of W.
   share_out(m, groups, ROWS, [&](const Share& share) {
+    alignas(64) T scratch[ROWS * 2 * GROUP_OUTPUTS];
     const int64_t begin = share.group_begin, end = share.group_end;
     for (int64_t m0 = share.row_begin; m0 < share.row_end; m0 += M_BLOCK) {
       const int64_t m_end = std::min(share.row_end, m0 + M_BLOCK), num_tiles = (m_end - m0 + ROWS - 1) / ROWS;
@@ -163,7 +197,7 @@ void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, 
       // One row on AVX2: the share's whole groups cut into GROUPS equal parts, read side by side (a stream each,
       // packed_tile.h: row_of_groups), then the groups a cut leaves over as below. (AVX-512 CPUs keep one stream:
       // not measured there.)
-      if (m == 1) {
+      if (m == 1 && act == Act::kNone) {
         using liteinfer::packed::GROUPS;
         const int64_t whole = blocks / BLOCKS, part = std::max<int64_t>(0, std::min(end, whole) - begin) / GROUPS;
         for (; g < begin + part; ++g) {
@@ -182,19 +216,21 @@ void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, 
 #endif
       for (; g < end; ++g) {
         const int64_t b0 = g * BLOCKS, nb = std::min(BLOCKS, blocks - b0);
-        const T* group = w + b0 * block_size;
-        // The thread's next group, a line per step of every tile but the last, tile t from the t-th block's worth
-        // on: from four tiles (32 rows) up that covers the whole group. A lone tile asks for one block's worth on
-        // AVX-512 CPUs (its one pass; the hardware's prefetcher runs ahead of the rest) and for the whole group on
-        // AVX2 (a block's worth in each of its blocks' passes, packed_tile.h).
+        // The thread's next group (gated: in the same half), a line per step of every tile but the last, tile t
+        // from the t-th block's worth on: from four tiles (32 rows) up that covers the whole group. A lone tile asks
+        // for one block's worth on AVX-512 CPUs (its one pass; the hardware's prefetcher runs ahead of the rest)
+        // and for the whole group on AVX2 (a block's worth in each of its blocks' passes, packed_tile.h).
         const int64_t next_lines = g + 1 < end ? std::min(BLOCKS, blocks - b0 - nb) * lines_per_block : 0;
         for (int64_t t = 0; t < num_tiles; ++t) {
-          const int64_t r0 = m0 + t * ROWS, first = t * lines_per_block;
+          const int64_t r0 = m0 + t * ROWS, line = t * lines_per_block, rows = std::min<int64_t>(ROWS, m_end - r0);
           const bool last = num_tiles > 1 && t == num_tiles - 1;
-          const Prefetch prefetch{reinterpret_cast<const char*>(group + nb * block_size) + first * LINE,
-                                  last ? 0 : std::max<int64_t>(0, next_lines - first)};
-          tile_for<T>(nb, std::min<int64_t>(ROWS, m_end - r0))(x + r0 * k, k, group, bias ? bias + b0 * 16 : nullptr,
-                                                               y + r0 * n + b0 * 16, n, prefetch);
+          group_outputs(act, blocks, b0, nb, rows, y + r0 * n_out, n_out, scratch, [&](int64_t first, T* out,
+                                                                                      int64_t stride) {
+            const T* group = w + first * block_size;
+            const Prefetch prefetch{reinterpret_cast<const char*>(group + nb * block_size) + line * LINE,
+                                    last ? 0 : std::max<int64_t>(0, next_lines - line)};
+            tile_for<T>(nb, rows)(x + r0 * k, k, group, bias ? bias + first * 16 : nullptr, out, stride, prefetch);
+          });
         }
       }
     }
@@ -214,47 +250,75 @@ bool packed_linear_amx() {
 #endif
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(packed_linear_takes(x.scalar_type()), "packed_linear takes ",
-              packed_linear_takes(at::kFloat) ? "fp32 or bf16" : "bf16 (fp32 stays oneDNN's on this CPU)", " x");
-  const int64_t pair = x.scalar_type() == at::kBFloat16 ? 2 : 1;
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 4 && weight.size(2) == 16 && weight.size(3) == pair &&
-                  weight.size(1) * pair == x.size(1),
-              "expected x [rows, in] and weight [out / 16, in / pair, 16, pair] (pair: 2 for bf16, 1 for fp32)");
+// y [rows, n_out] from x [rows, in] and W's `n` outputs packed (`act`: plain, or in halves, n_out = n / 2).
+at::Tensor multiply(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, int64_t n,
+                    Act act) {
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
               "the weight must be contiguous, in x's dtype");
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0) * 16;
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == x.scalar_type()),
               "the bias must be [out], in x's dtype");
+  const int64_t m = x.size(0), k = x.size(1), n_out = act == Act::kNone ? n : n / 2;
   const at::Tensor x_ = x.contiguous(), b = bias ? bias->contiguous() : at::Tensor();
-  at::Tensor y = at::empty({m, n}, x.options());
+  at::Tensor y = at::empty({m, n_out}, x.options());
 #if defined(LITEINFER_AMX)
-  if (pair == 2 && k % AMX_INPUTS == 0 && amx_permitted()) {
+  if (x.scalar_type() == at::kBFloat16 && k % AMX_INPUTS == 0 && amx_permitted()) {
     amx_rows(x_.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
-             b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), m, n, k);
+             b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), m, n, k, act);
     return y;
   }
 #endif
   auto run = [&](auto type) {
     using T = decltype(type);
     packed_linear_rows<T>(x_.data_ptr<T>(), weight.data_ptr<T>(), b.defined() ? b.data_ptr<T>() : nullptr,
-                          y.data_ptr<T>(), m, n, k);
+                          y.data_ptr<T>(), m, n, k, act);
   };
 #if defined(LITEINFER_PACKED_AVX512)
-  pair == 2 ? run(c10::BFloat16{}) : run(float{});
+  x.scalar_type() == at::kBFloat16 ? run(c10::BFloat16{}) : run(float{});
 #else
   run(c10::BFloat16{});
 #endif
   return y;
 }
 
+void check_dtype(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(packed_linear_takes(x.scalar_type()), op, " takes ",
+              packed_linear_takes(at::kFloat) ? "fp32 or bf16" : "bf16 (fp32 stays oneDNN's on this CPU)", " x");
+}
+
+int64_t pair_of(const at::Tensor& x) { return x.scalar_type() == at::kBFloat16 ? 2 : 1; }
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  check_dtype(x, "packed_linear");
+  const int64_t pair = pair_of(x);
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 4 && weight.size(2) == 16 && weight.size(3) == pair &&
+                  weight.size(1) * pair == x.size(1),
+              "expected x [rows, in] and weight [out / 16, in / pair, 16, pair] (pair: 2 for bf16, 1 for fp32)");
+  return multiply(x, weight, bias, weight.size(0) * 16, Act::kNone);
+}
+
+at::Tensor packed_gated_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                               c10::string_view act) {
+  check_dtype(x, "packed_gated_linear");
+  TORCH_CHECK(act == "silu" || act == "gelu_tanh", "packed_gated_linear takes silu or gelu_tanh, not ", act);
+  const int64_t pair = pair_of(x);
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 5 && weight.size(0) == 2 && weight.size(3) == 16 &&
+                  weight.size(4) == pair && weight.size(2) * pair == x.size(1),
+              "expected x [rows, in] and weight [2, size / 16, in / pair, 16, pair] (gate's half, then up's; pair: 2 "
+              "for bf16, 1 for fp32)");
+  return multiply(x, weight, bias, weight.size(1) * 32, act == "silu" ? Act::kSilu : Act::kGeluTanh);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(liteinfer, m) {
   m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("packed_gated_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor");
   m.def("packed_linear_takes(ScalarType dtype) -> bool", &packed_linear_takes);  // no tensor: no dispatch key
   m.def("packed_linear_amx() -> bool", &packed_linear_amx);
 }
 
-TORCH_LIBRARY_IMPL(liteinfer, CPU, m) { m.impl("packed_linear", &packed_linear); }
+TORCH_LIBRARY_IMPL(liteinfer, CPU, m) {
+  m.impl("packed_linear", &packed_linear);
+  m.impl("packed_gated_linear", &packed_gated_linear);
+}
 #endif

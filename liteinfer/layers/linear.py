@@ -60,6 +60,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
+    """act(x G^T + b_g) * (x U^T + b_u) in one pass, for W = [G; U] packed by `pack_gate_up`."""
+    y = torch.ops.liteinfer.packed_gated_linear(x.reshape(-1, x.shape[-1]), weight, bias, act)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 def gemv_takes(x: torch.Tensor, any_rows: bool = False) -> bool:
     """Whether `kernels`' gemv takes `x`: a single sequence's decode step (any_rows: any number of rows, as int8
     weights take it), on CPU, where it streams W faster than oneDNN does (docs/benchmarks.md)."""
@@ -100,8 +106,17 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat(groups).view(out_features // 16, in_features // pair, 16, pair)
 
 
+def pack_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """W = [G; U] (a gated MLP's gate and up rows, [2 * size, in]) as packed_gated_linear reads it: each half packed
+    by `pack_weight` on its own, so that their groups of 48 cover the same outputs ([2, size / 16, in / pair, 16,
+    pair])."""
+    return torch.stack([pack_weight(half) for half in weight.chunk(2)])
+
+
 def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
-    """`pack_weight`'s inverse: W [out, in]."""
+    """`pack_weight`'s inverse (and `pack_gate_up`'s): W [out, in]."""
+    if packed.dim() == 5:
+        return torch.cat([unpack_weight(half) for half in packed])
     blocks, steps, _, pair = packed.shape
     flat, rows = packed.reshape(-1), []
     for start in range(0, blocks * 16, PACKED_GROUP):
@@ -129,13 +144,16 @@ def pack_linears(model: nn.Module, modules: tuple[type[nn.Module], ...], onednn:
     bf16, ours ran 1.2-1.3x oneDNN at 32 rows, 0.8-0.9x at 256 and level at 1,024. Both layouts are opaque to the
     checkpoint's loaders, so weights are loaded first; a head tied to the embeddings gets a packed copy of its own
     (the embedding still looks rows up). oneDNN's packed tensors cannot be traced by torch.compile, ours can: the
-    compiled engine packs with onednn=False first.
+    compiled engine packs with onednn=False first. A gated MLP's gate/up (`PackedLinear.gated_activation` set) is
+    packed in halves for packed_gated_linear where our kernel takes each half (`pack_gate_up`).
     """
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not isinstance(module, modules) or weight is None or not _float_as_loaded(weight):
             continue
-        if packable(weight):
+        if getattr(module, "gated_activation", None) and packable(weight[: weight.shape[0] // 2]):
+            packed = pack_gate_up(weight.data)
+        elif packable(weight):
             packed = pack_weight(weight.data)
         elif onednn and onednn_packs(weight.dtype):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.data, ONEDNN_BATCH_HINT)
@@ -169,6 +187,9 @@ class PackedLinear(Linear):
         shards = {k: RowSlice.whole(s) if isinstance(s, int) else s for k, s in shards.items()}
         super().__init__(input_size, sum(s.size for s in shards.values()), bias)
         self.shards = shards
+        # Set by a gated MLP (our kernel's name for its activation) when these are its gate and up: `pack_linears`
+        # may then pack W in halves, and `forward` then makes act(gate) * up itself.
+        self.gated_activation: str | None = None
         self.shard_offsets: dict[str | int, int] = {}  # where each projection's rows start in our parameter
         offset = 0
         for shard_id, rows in shards.items():
@@ -176,6 +197,16 @@ class PackedLinear(Linear):
             offset += rows.size
         for param in self.parameters():
             param.weight_loader = self.load_shard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None and self.weight.dim() == 5:  # packed in halves: act(gate) * up
+            return gated_linear(x, self.weight, self.bias, self.gated_activation)
+        return super().forward(x)
+
+    @property
+    def makes_activation(self) -> bool:
+        """Whether `forward` returns act(gate) * up rather than gate and up (W packed in halves)."""
+        return self.weight is not None and self.weight.dim() == 5
 
     def load_shard(self, param: nn.Parameter, loaded, shard_id: str | int | None = None) -> None:
         shard_ids = list(self.shards) if shard_id is None else [shard_id]

@@ -90,19 +90,25 @@ def test_both_graphs_multiply_through_the_packed_linear_kernel_from_cpp(compiled
     if not kernels.packed_linear_available(torch.float32):
         pytest.skip("the packed linear takes fp32 on CPUs with AVX-512 BF16 only")
     llm, code = compiled
-    num_linears = sum(isinstance(m, Linear) for m in llm.engine.runner.model.modules()) + 1  # + the LM head
+    num_layers = len(llm.engine.runner.model.model.layers)
+    # + the LM head; each layer's gate/up runs the gated form (the next test)
+    num_linears = sum(isinstance(m, Linear) for m in llm.engine.runner.model.modules()) + 1 - num_layers
     assert code.count('aoti_torch_call_dispatcher("liteinfer::packed_linear"') == 2 * num_linears
     assert "torch.ops.liteinfer.packed_linear" not in code
     assert "mkldnn" not in code and "liteinfer::gemv" not in code
 
 
 def test_both_graphs_run_our_gated_activation_from_cpp(compiled):
-    """Each layer's SiLU(gate) * up runs kernels/pointwise.cpp's op (its exp faster than inductor's kernel for the
-    same expression), called from C++ as the linears are (through the boxed dispatcher: the op takes a string)."""
+    """Each layer's SiLU(gate) * up runs in our kernels, called from C++ as the linears are (through the boxed
+    dispatcher: the ops take a string): where the packed linear takes the weights, in the gate/up matmul itself
+    (`packed_gated_linear`); otherwise kernels/pointwise.cpp's op after it (its exp faster than inductor's kernel
+    for the same expression)."""
     llm, code = compiled
     num_layers = len(llm.engine.runner.model.model.layers)
-    assert code.count('findSchemaOrThrow("liteinfer::gated_activation"') == 2 * num_layers
-    assert "torch.ops.liteinfer.gated_activation" not in code
+    fused = kernels.packed_linear_available(torch.float32)
+    assert code.count('findSchemaOrThrow("liteinfer::packed_gated_linear"') == (2 * num_layers if fused else 0)
+    assert code.count('findSchemaOrThrow("liteinfer::gated_activation"') == (0 if fused else 2 * num_layers)
+    assert "torch.ops.liteinfer.gated_activation" not in code and "torch.ops.liteinfer.packed_gated" not in code
 
 
 def test_kv_pool_is_written_in_place_not_copied(compiled):

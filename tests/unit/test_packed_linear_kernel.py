@@ -1,7 +1,10 @@
 """The packed linear (liteinfer/kernels/packed_linear.cpp) against the exact product (float64), within what fp32
 summation may err, over row counts that take every tile size and the M-blocking, output counts that end a tile's
-three blocks early, odd input lengths and the AMX tiles' multiples of 32; and `pack_linears` choosing it
-(tests/integration run whole models through it)."""
+three blocks early, odd input lengths and the AMX tiles' multiples of 32; its gated form against the packed linear
+then the gated activation, to the bit; and `pack_linears` choosing them (tests/integration run whole models through
+them)."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,7 +12,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from liteinfer import kernels
-from liteinfer.layers.linear import linear, onednn_packs, pack_linears, pack_weight, packable, unpack_weight
+from liteinfer.distributed import TensorParallelGroup
+from liteinfer.layers.decoder import GatedMLP
+from liteinfer.layers.linear import (
+    Linear,
+    linear,
+    onednn_packs,
+    pack_gate_up,
+    pack_linears,
+    pack_weight,
+    packable,
+    unpack_weight,
+)
 
 pytestmark = pytest.mark.skipif(not (kernels.load() and kernels.packed_linear_available(torch.bfloat16)),
                                 reason="the packed linear is built for x86 CPUs with AVX-512 BF16 or AVX2 and FMA")
@@ -40,6 +54,47 @@ def test_packed_linear_is_within_fp32_summation_error_of_the_exact_product(rows,
     out = torch.ops.liteinfer.packed_linear(x, pack_weight(weight), bias)
     assert out.dtype == dtype and out.shape == (rows, 16 * blocks)
     assert_within_summation_error(out, x, weight, bias)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.one_of(st.integers(1, 20), st.integers(120, 300), st.just(700)),  # 700 on two threads: rows shared
+    blocks=st.one_of(st.integers(1, 8), st.integers(24, 40)),  # of each half: the last group of one or two blocks
+    steps=st.one_of(st.integers(1, 100), st.integers(1, 12).map(lambda tiles: 16 * tiles)),  # AMX: multiples of 32
+    dtype=st.sampled_from(DTYPES),
+    act=st.sampled_from(["silu", "gelu_tanh"]),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_the_gated_form_gives_the_bits_of_the_linear_then_the_activation(rows, blocks, steps, dtype, act, with_bias,
+                                                                       seed):
+    """packed_gated_linear over W = [G; U] packed in halves gives gated_activation(packed_linear(x, W)) exactly: the
+    same sums, rounded to the dtype in between, and the same activation code (kernels/gate_row.h)."""
+    generator = torch.Generator().manual_seed(seed)
+    in_features = steps * (2 if dtype == torch.bfloat16 else 1)
+    x, weight, bias = (torch.randn(*shape, generator=generator).to(dtype)
+                       for shape in ((rows, in_features), (32 * blocks, in_features), (32 * blocks,)))
+    bias = bias if with_bias else None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = torch.ops.liteinfer.packed_gated_linear(x, pack_gate_up(weight), bias, act)
+        expected = torch.ops.liteinfer.gated_activation(torch.ops.liteinfer.packed_linear(x, pack_weight(weight), bias),
+                                                        act)
+    finally:
+        torch.set_num_threads(threads)
+    assert out.dtype == dtype and out.shape == (rows, 16 * blocks)
+    assert torch.equal(out, expected)
+
+
+def test_the_gated_form_refuses_a_weight_not_packed_in_halves():
+    x, weight = torch.zeros(2, 8, dtype=torch.bfloat16), torch.randn(64, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="gate's half, then up's"):
+        torch.ops.liteinfer.packed_gated_linear(x, pack_weight(weight), None, "silu")
+    with pytest.raises(RuntimeError, match="silu or gelu_tanh"):
+        torch.ops.liteinfer.packed_gated_linear(x, pack_gate_up(weight), None, "relu")
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.liteinfer.packed_gated_linear(x, pack_gate_up(weight), torch.zeros(32, dtype=torch.bfloat16), "silu")
 
 
 def assert_within_summation_error(out, x, weight, bias):
@@ -125,6 +180,7 @@ def test_fp32_sums_over_long_rows_err_no_more_than_pytorchs():
 def test_unpack_weight_inverts_pack_weight(blocks, dtype):
     weight = torch.randn(16 * blocks, 10).to(dtype)
     assert torch.equal(unpack_weight(pack_weight(weight)), weight)
+    assert torch.equal(unpack_weight(pack_gate_up(torch.cat([weight, -weight]))), torch.cat([weight, -weight]))
 
 
 def test_packed_linear_refuses_mismatched_inputs():
@@ -171,3 +227,21 @@ def test_pack_linears_takes_what_the_kernel_takes_and_leaves_the_rest_plain_or_t
         torch.testing.assert_close(linear(x[m.in_features], m.weight, m.bias), expected[name], atol=1e-2, rtol=1e-2)
     # Three-dimensional inputs keep their leading dimensions.
     assert linear(torch.randn(2, 3, 8, dtype=torch.bfloat16), model.packed.weight).shape == (2, 3, 32)
+
+
+def test_pack_linears_packs_a_silu_mlps_gate_up_in_halves_and_its_forward_makes_the_activation():
+    """A gated MLP with SiLU packs gate/up for the gated form and gives the bits it gave before packing (the packed
+    linear, then the activation); GELU (Gemma) keeps the two ops (inductor's GELU is the faster in compiled graphs),
+    as does a W whose halves our kernel does not take (8 outputs each)."""
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    cases = (("silu", 96, True), ("gelu_pytorch_tanh", 96, False), ("silu", 8, False))
+    for hidden_act, intermediate, in_halves in cases:
+        spec = SimpleNamespace(hidden_size=64, intermediate_size=intermediate, mlp_bias=False, hidden_act=hidden_act)
+        mlp = GatedMLP(spec, TensorParallelGroup()).to(torch.bfloat16)
+        for param in mlp.parameters():
+            param.data.normal_()
+        expected = mlp.down_proj(mlp.act(linear(x, pack_weight(mlp.gate_up_proj.weight.data))))
+        pack_linears(mlp, (Linear,))
+        assert mlp.gate_up_proj.makes_activation == (mlp.gate_up_proj.weight.dim() == 5) == in_halves
+        if in_halves:
+            assert torch.equal(mlp(x), expected)
