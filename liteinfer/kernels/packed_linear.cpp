@@ -9,7 +9,9 @@
 // ROWS rows by one group (up to 48 outputs) of fp32 sums in registers and reads the group front to back, one
 // sequential stream; every tile of rows re-reads the group from L2, while the thread's next group is prefetched
 // into L2 over the tiles before the last, so that W comes from DRAM once per call, overlapped with the arithmetic.
-// Threads share W's groups, or from SHARE_ROWS_FROM rows a thread on x's rows (each then reads all of W).
+// Threads share W's groups, or from SHARE_ROWS_FROM rows a thread on x's rows (each then reads all of W). The same
+// loops serve torch.ops.liteinfer.packed_gated_linear: a gated MLP's gate/up W packed in halves, act(gate) * up made
+// from each tile's sums before they leave the core (group_outputs).
 // On SmolLM2's linears this ran about 1.5x oneDNN's prepacked matmul at 32 rows, level with our one-row GEMV at
 // one row, and level with oneDNN from 256 rows up (docs/benchmarks.md).
 //

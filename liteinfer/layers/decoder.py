@@ -111,9 +111,8 @@ class GatedMLP(nn.Module):
             self.gate_up_proj.gated_activation = "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj.makes_activation:
-            return self.down_proj(self.gate_up_proj(x))
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(gate_up if self.gate_up_proj.makes_activation else self.act(gate_up))
 
 
 class DecoderLayer(nn.Module):

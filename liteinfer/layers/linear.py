@@ -199,7 +199,7 @@ class PackedLinear(Linear):
             param.weight_loader = self.load_shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is not None and self.weight.dim() == 5:  # packed in halves: act(gate) * up
+        if self.makes_activation:
             return gated_linear(x, self.weight, self.bias, self.gated_activation)
         return super().forward(x)
 
