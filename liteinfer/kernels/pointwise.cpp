@@ -208,6 +208,8 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
   return {q_out, k_out};
 }
 
+constexpr float kMaxExponent = 88.f;  // SiLU's e^-g is taken at most e^88: see silu_row16
+
 #if defined(LITEINFER_VECTORS16)
 // SiLU(gate) * up 16 lanes at a time for fp32 and bf16 rows, as gate_rows computes it but with the exp of exp16.h
 // and the division as a reciprocal refined once (a few fp32 steps from the scalar loop's values): 1.7x its speed on
@@ -219,7 +221,9 @@ int64_t silu_row16(const T* gate, const T* up, T* o, int64_t size) {
   int64_t d = 0;
   for (; d + 16 <= size; d += 16) {
     const __m512 g = load16(gate + d);
-    const __m512 minus_g = _mm512_sub_ps(_mm512_setzero_ps(), g);
+    // e^-g at most e^88 (finite in fp32): past it the sum overflowed to infinity, and the refined reciprocal of
+    // infinity is 0 * infinity, NaN, where PyTorch's SiLU of such a gate (below -88) is -0.
+    const __m512 minus_g = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(kMaxExponent));
     const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.f), liteinfer::exp16(minus_g));
     const __m512 estimate = _mm512_rcp14_ps(denominator);  // 14 bits; one Newton step doubles them
     // g / denominator as (g * estimate) * (2 - denominator * estimate), in that order: as g * (estimate * (2 - ...))
@@ -252,7 +256,7 @@ __attribute__((noinline)) void liteinfer::gate_row(const T* gate, const T* up, T
     if constexpr (kGelu) {
       act = 0.5f * g * (1.f + std::tanh(0.7978845608f * (g + 0.044715f * g * g * g)));
     } else {
-      act = g / (1.f + std::exp(-g));
+      act = g / (1.f + std::exp(std::min(-g, kMaxExponent)));  // (-ffast-math: no infinity, as above)
     }
     o[d] = narrow<T>(round_to<T>(act) * widen(up[d]));
   }

@@ -91,6 +91,23 @@ def test_rms_norm_matches_pytorch(dtype, rows, size, gemma, with_residual, seed)
         assert_near(out, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_gated_activation_of_gates_far_below_zero_is_zero_not_nan(dtype, act):
+    """Gates below -88 overflowed e^-g to infinity, and SiLU's 1 / (1 + e^-g) came out NaN (0 * infinity in the refined
+    reciprocal; the scalar loop under -ffast-math too), where PyTorch gives -0: one such outlier poisoned the layer."""
+    assert kernels.load()
+    layer = GatedActivation(act)
+    gate = torch.tensor([-1e4, -300.0, -100.0, -91.5, -89.0, -88.5, -88.0, -50.0] * 4)
+    gate_up = torch.cat([gate, torch.linspace(-3, 3, len(gate))]).view(1, -1).to(dtype)
+    out = through_kernel("gated_activation", lambda: layer(gate_up))
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = layer.act(gate) * up  # PyTorch's, in the dtype: -0 below -88 or so, tiny values above
+    assert torch.isfinite(out).all()
+    rtol = 1e-5 if dtype == torch.float32 else 1e-2  # the 16-bit dtypes: a step apart where a tie falls otherwise
+    torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=1e-30)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     dtype=DTYPES,
