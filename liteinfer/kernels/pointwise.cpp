@@ -211,10 +211,10 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
 constexpr float kMaxExponent = 88.f;  // SiLU's e^-g is taken at most e^88: see silu_row16
 
 #if defined(LITEINFER_VECTORS16)
-// SiLU(gate) * up 16 lanes at a time for fp32 and bf16 rows, as gate_rows computes it but with the exp of exp16.h
-// and the division as a reciprocal refined once (a few fp32 steps from the scalar loop's values): 1.7x its speed on
-// a decode step's 32 rows of SmolLM2 in bf16 and 1.9x on a prompt step's 1,315, and faster than inductor's kernel
-// for the same expression, so that compiled graphs call it too (layers/activation.py; docs/benchmarks.md).
+// SiLU(gate) * up 16 lanes at a time for fp32 and bf16 rows, as gate_row's scalar loop computes it but with the exp
+// of exp16.h and the division as a reciprocal refined once (a few fp32 steps from that loop's values): 1.7x its
+// speed on a decode step's 32 rows of SmolLM2 in bf16 and 1.9x on a prompt step's 1,315, and faster than inductor's
+// kernel for the same expression, so that compiled graphs call it too (layers/activation.py; docs/benchmarks.md).
 // The row's elements in whole vectors; returns how many (the caller's scalar loop takes the rest).
 template <typename T>
 int64_t silu_row16(const T* gate, const T* up, T* o, int64_t size) {
