@@ -78,22 +78,31 @@ void share_out(int64_t m, int64_t groups, int64_t row_unit, const Body& body) {
 // write gate/up's outputs out and read them back (prompt steps: 12 MB each way at 2,048 rows of SmolLM2).
 enum class Act { kNone, kSilu, kGeluTanh };
 
+// W's n packed outputs as a call makes them: one half when plain, two (gate's, then up's) when gated; each half's
+// blocks of 16 outputs, and the outputs a row of y holds.
+struct Outputs {
+  Act act;
+  int64_t halves, half_blocks, n_out;
+  Outputs(Act act, int64_t n) : act(act), halves(act == Act::kNone ? 1 : 2), half_blocks(n / 16 / halves),
+                                n_out(n / halves) {}
+};
+
 constexpr int64_t GROUP_OUTPUTS = BLOCKS * 16;
 
-// The outputs of the group whose first block is b0 (nb blocks) for `rows` rows of y (y at their first row, n_out a
-// row): `pass(first_block, out, stride)` multiplies the rows by W's group from first_block into out (`stride` a row).
+// The outputs of the group whose first block is b0 (nb blocks) for `rows` rows of y (y at their first row):
+// `pass(first_block, out, stride)` multiplies the rows by W's group from first_block into out (`stride` a row).
 // Gated, gate's group and up's go into `scratch` (a row of each side by side), rounded to T as a linear's outputs
 // are, and liteinfer::gate_row makes act(gate) * up from them as gated_activation would (the same bits).
 template <typename T, typename Pass>
-void group_outputs(Act act, int64_t half_blocks, int64_t b0, int64_t nb, int64_t rows, T* y, int64_t n_out,
-                   T* scratch, const Pass& pass) {
-  if (act == Act::kNone) return pass(b0, y + b0 * 16, n_out);
+void group_outputs(const Outputs& outputs, int64_t b0, int64_t nb, int64_t rows, T* y, T* scratch,
+                   const Pass& pass) {
+  if (outputs.act == Act::kNone) return pass(b0, y + b0 * 16, outputs.n_out);
   pass(b0, scratch, 2 * GROUP_OUTPUTS);
-  pass(half_blocks + b0, scratch + GROUP_OUTPUTS, 2 * GROUP_OUTPUTS);
-  const auto gate_row = act == Act::kSilu ? &liteinfer::gate_row<T, false> : &liteinfer::gate_row<T, true>;
+  pass(outputs.half_blocks + b0, scratch + GROUP_OUTPUTS, 2 * GROUP_OUTPUTS);
+  const auto gate_row = outputs.act == Act::kSilu ? &liteinfer::gate_row<T, false> : &liteinfer::gate_row<T, true>;
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = scratch + r * 2 * GROUP_OUTPUTS;
-    gate_row(gate, gate + GROUP_OUTPUTS, y + r * n_out + b0 * 16, nb * 16);
+    gate_row(gate, gate + GROUP_OUTPUTS, y + r * outputs.n_out + b0 * 16, nb * 16);
   }
 }
 
@@ -141,7 +150,7 @@ void amx_pass(const c10::BFloat16* x, int64_t k, const c10::BFloat16* w, const c
 }
 
 void amx_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y,
-              int64_t m, int64_t n, int64_t k, Act act) {
+              int64_t m, int64_t k, const Outputs& outputs) {
   using Pass = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::BFloat16*, c10::BFloat16*,
                         int64_t, int64_t, float*);
   static constexpr std::array<Pass, BLOCKS + 1> by_blocks = {nullptr, &amx_pass<1>, &amx_pass<2>, &amx_pass<3>};
@@ -149,11 +158,10 @@ void amx_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat1
   const int64_t full = m / AMX_ROWS * AMX_ROWS;
   std::vector<c10::BFloat16> tail(m > full ? AMX_ROWS * k : 0);
   std::copy(x + full * k, x + m * k, tail.begin());
-  const int64_t halves = act == Act::kNone ? 1 : 2, block_size = k * 16;
-  const int64_t half_blocks = n / 16 / halves, groups = (half_blocks + BLOCKS - 1) / BLOCKS, n_out = n / halves;
+  const int64_t block_size = k * 16, half_blocks = outputs.half_blocks, groups = (half_blocks + BLOCKS - 1) / BLOCKS;
   // A thread's groups in chunks of kAmxChunkBytes, every M block of its rows over one chunk before the next (at
   // 2,048 rows, W from memory once instead of 16 times: 1.75 -> ~2.1 TFLOP/s).
-  const int64_t chunk = std::max<int64_t>(1, kAmxChunkBytes / (halves * BLOCKS * block_size * 2));
+  const int64_t chunk = std::max<int64_t>(1, kAmxChunkBytes / (outputs.halves * BLOCKS * block_size * 2));
   share_out(m, groups, AMX_ROWS, [&](const Share& share) {
     const TileConfig config(4 + BLOCKS);
     _tile_loadconfig(&config);
@@ -168,7 +176,7 @@ void amx_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat1
           for (int64_t r0 = m0; r0 < m_end; r0 += AMX_ROWS) {
             const c10::BFloat16* rows_x = r0 < full ? x + r0 * k : tail.data();
             const int64_t rows = std::min(AMX_ROWS, m_end - r0);
-            group_outputs(act, half_blocks, b0, nb, rows, y + r0 * n_out, n_out, scratch,
+            group_outputs(outputs, b0, nb, rows, y + r0 * outputs.n_out, scratch,
                           [&](int64_t first, c10::BFloat16* out, int64_t stride) {
                             by_blocks[nb](rows_x, k, w + first * block_size, bias ? bias + first * 16 : nullptr, out,
                                           stride, rows, sums);
@@ -183,9 +191,8 @@ void amx_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat1
 #endif
 
 template <typename T>
-void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, int64_t k, Act act) {
-  const int64_t halves = act == Act::kNone ? 1 : 2, block_size = k * 16;  // elements per block
-  const int64_t blocks = n / 16 / halves, n_out = n / halves;  // blocks: of W, or of each half when gated
+void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t k, const Outputs& outputs) {
+  const int64_t block_size = k * 16, blocks = outputs.half_blocks;  // elements per block; blocks of W or of a half
   const int64_t lines_per_block = block_size * static_cast<int64_t>(sizeof(T)) / LINE;
   const int64_t groups = (blocks + BLOCKS - 1) / BLOCKS;
   // A thread's rows an M block at a time, each block over the thread's groups: one stream through its part of W.
@@ -199,7 +206,7 @@ void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, 
       // One row on AVX2: the share's whole groups cut into GROUPS equal parts, read side by side (a stream each,
       // packed_tile.h: row_of_groups), then the groups a cut leaves over as below. (AVX-512 CPUs keep one stream:
       // not measured there.)
-      if (m == 1 && act == Act::kNone) {
+      if (m == 1 && outputs.act == Act::kNone) {
         using liteinfer::packed::GROUPS;
         const int64_t whole = blocks / BLOCKS, part = std::max<int64_t>(0, std::min(end, whole) - begin) / GROUPS;
         for (; g < begin + part; ++g) {
@@ -226,8 +233,8 @@ void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, 
         for (int64_t t = 0; t < num_tiles; ++t) {
           const int64_t r0 = m0 + t * ROWS, line = t * lines_per_block, rows = std::min<int64_t>(ROWS, m_end - r0);
           const bool last = num_tiles > 1 && t == num_tiles - 1;
-          group_outputs(act, blocks, b0, nb, rows, y + r0 * n_out, n_out, scratch, [&](int64_t first, T* out,
-                                                                                      int64_t stride) {
+          group_outputs(outputs, b0, nb, rows, y + r0 * outputs.n_out, scratch, [&](int64_t first, T* out,
+                                                                                    int64_t stride) {
             const T* group = w + first * block_size;
             const Prefetch prefetch{reinterpret_cast<const char*>(group + nb * block_size) + line * LINE,
                                     last ? 0 : std::max<int64_t>(0, next_lines - line)};
@@ -259,20 +266,21 @@ at::Tensor multiply(const at::Tensor& x, const at::Tensor& weight, const c10::op
               "the weight must be contiguous, in x's dtype");
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == x.scalar_type()),
               "the bias must be [out], in x's dtype");
-  const int64_t m = x.size(0), k = x.size(1), n_out = act == Act::kNone ? n : n / 2;
+  const int64_t m = x.size(0), k = x.size(1);
+  const Outputs outputs(act, n);
   const at::Tensor x_ = x.contiguous(), b = bias ? bias->contiguous() : at::Tensor();
-  at::Tensor y = at::empty({m, n_out}, x.options());
+  at::Tensor y = at::empty({m, outputs.n_out}, x.options());
 #if defined(LITEINFER_AMX)
   if (x.scalar_type() == at::kBFloat16 && k % AMX_INPUTS == 0 && amx_permitted()) {
     amx_rows(x_.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
-             b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), m, n, k, act);
+             b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), m, k, outputs);
     return y;
   }
 #endif
   auto run = [&](auto type) {
     using T = decltype(type);
     packed_linear_rows<T>(x_.data_ptr<T>(), weight.data_ptr<T>(), b.defined() ? b.data_ptr<T>() : nullptr,
-                          y.data_ptr<T>(), m, n, k, act);
+                          y.data_ptr<T>(), m, k, outputs);
   };
 #if defined(LITEINFER_PACKED_AVX512)
   x.scalar_type() == at::kBFloat16 ? run(c10::BFloat16{}) : run(float{});
