@@ -5,6 +5,8 @@ next tokens, the newest running sequence is preempted — its blocks are freed a
 queue to be recomputed later — so the oldest always make progress. Waiting sequences are admitted whenever the
 token budget, the sequence limit and free blocks allow (and no one was preempted this step); with prefix caching,
 an admitted sequence first takes the cached blocks of its longest cached prefix and computes only the rest.
+Waiting sequences hold no blocks, except the samples of an n > 1 request, forked off the first one holding its
+prompt's blocks; any sequence that needs blocks the free list lacks takes theirs before anything else gives way.
 With chunked prefill, a prompt larger than the step's remaining token budget is computed over several steps, in
 chunks that share each step with the decodes of running sequences; while others wait, a running prefill takes at
 most `long_prefill_token_threshold` tokens per step, so a long prompt cannot hold back everyone's first token.
@@ -90,7 +92,7 @@ class Scheduler:
 
     def _grow_or_preempt(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
         """Give `seq` blocks for its new tokens, preempting from the newest end; False if `seq` itself went."""
-        while not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + num_new):
+        while not self._allocate(seq, num_new):
             victim = self.running.pop()
             self.preempt(victim)
             batch.preempted.append(victim)
@@ -113,10 +115,9 @@ class Scheduler:
                 seq.block_table = self.block_manager.match_prefix(seq.token_ids, seq.block_hashes)
                 seq.num_computed_tokens = len(seq.block_table) * self.block_manager.block_size
             num_new = self._chunk(seq, budget)
-            if num_new == 0 or not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + num_new):
+            if num_new == 0 or not self._allocate(seq, num_new):
                 # A waiting sequence must not pin blocks (cached or forked) that running ones may need.
-                self.block_manager.free(seq.block_table)
-                seq.num_computed_tokens = 0
+                self._release(seq)
                 break
             self.waiting.popleft()
             if looked_up:
@@ -134,9 +135,25 @@ class Scheduler:
         """Share of the prompt tokens looked up in the prefix cache that were found there."""
         return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
-    def preempt(self, seq: Sequence) -> None:
+    def _allocate(self, seq: Sequence, num_new: int) -> bool:
+        """Blocks for `seq`'s next `num_new` tokens: from the free list, or else from the waiting sequences that hold
+        some (forked samples). Left to them, their blocks could keep the oldest sequence from ever finishing (the
+        engine once looped for ever so): they compute their prompt again when they start, or find it cached."""
+        while not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + num_new):
+            holders = [other for other in self.waiting if other.block_table and other is not seq]
+            if not holders:
+                return False
+            for other in holders:
+                self._release(other)
+        return True
+
+    def _release(self, seq: Sequence) -> None:
+        """Free `seq`'s blocks: it will compute all its tokens again (or find its prefix cached)."""
         self.block_manager.free(seq.block_table)
         seq.num_computed_tokens = 0
+
+    def preempt(self, seq: Sequence) -> None:
+        self._release(seq)
         self.add(seq, front=True)
 
     def finish(self, seq: Sequence) -> None:

@@ -195,6 +195,23 @@ def test_llm_n2_greedy_samples_equal_n1_greedy(llm):
     assert out.outputs[1].text == single.text
 
 
+def test_llm_samples_waiting_with_their_prompt_blocks_do_not_stall_a_tight_pool(tiny_llama_dir, llm):
+    """An n = 3 request's other samples wait (max_num_seqs = 2) holding its prompt's blocks; the older request
+    preempts its first sample, and then needs more of the 6-block pool than the samples leave. They give their
+    blocks up (the engine used to loop for ever here, the older request preempting itself); every greedy sample
+    still equals n = 1's."""
+    tight = LLM(str(tiny_llama_dir), dtype="float32", block_size=16, num_kv_blocks=6, max_model_len=96, max_num_seqs=2)
+    older, first = {"prompt_token_ids": list(range(100, 116))}, {"prompt_token_ids": list(range(200, 233))}
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=64),
+              SamplingParams(temperature=0, ignore_eos=True, max_tokens=47, n=3)]
+    outs = tight.generate([older, first], params)
+    assert outs[0].metrics.num_preemptions == 0 and outs[1].metrics.num_preemptions > 0
+    assert outs[0].outputs[0].token_ids == greedy(llm, older, max_tokens=64).token_ids
+    alone = greedy(llm, first, max_tokens=47).token_ids
+    assert [c.token_ids for c in outs[1].outputs] == [alone] * 3
+    assert all_blocks_free(tight)
+
+
 def used_blocks(llm: LLM) -> int:
     manager = llm.engine.block_manager
     return manager.num_blocks - manager.num_free_blocks

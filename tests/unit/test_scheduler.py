@@ -37,9 +37,21 @@ def make_scheduler(
     return cls(manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill=chunked)
 
 
-def run_batch(scheduler: Scheduler, batch: ScheduledBatch) -> list[Sequence]:
+def start_forks(scheduler: Scheduler, parent: Sequence, samples: list[Sequence]) -> None:
+    """What the engine does once the first sample of a request of n has computed its prompt (`LLMEngine._fork`): the
+    others wait at the front of the queue holding its prompt's full blocks, but for the block of its last token."""
+    shared_blocks = (parent.num_prompt_tokens - 1) // BLOCK_SIZE
+    for sample in reversed(samples):
+        sample.block_table = scheduler.block_manager.share(parent.block_table[:shared_blocks])
+        sample.num_computed_tokens = shared_blocks * BLOCK_SIZE
+        scheduler.add(sample, front=True)
+
+
+def run_batch(scheduler: Scheduler, batch: ScheduledBatch,
+              forks: dict[Sequence, list[Sequence]] | None = None) -> list[Sequence]:
     """Do what the engine does after a forward pass: count the computed tokens, sample one token for every
-    sequence that reached its end, and finish those that hit max_tokens. Returns the finished ones."""
+    sequence that reached its end (a first sample starting the others of its request, `forks`, after its first
+    token), and finish those that hit max_tokens. Returns the finished ones."""
     finished = []
     for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
         start = seq.num_computed_tokens
@@ -47,6 +59,8 @@ def run_batch(scheduler: Scheduler, batch: ScheduledBatch) -> list[Sequence]:
         scheduler.block_manager.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, start, start + num_new)
         if seq.num_computed_tokens == seq.num_tokens:
             seq.token_ids.append(1)
+            if forks and seq in forks:
+                start_forks(scheduler, seq, forks.pop(seq))
             if seq.num_output_tokens >= seq.max_tokens:
                 scheduler.finish(seq)
                 finished.append(seq)
@@ -228,6 +242,34 @@ def test_scheduler_finish_frees_blocks_of_running_and_waiting():
     assert scheduler.block_manager.num_free_blocks == 4
 
 
+def test_scheduler_forked_samples_give_up_their_prompt_blocks_before_anyone_else():
+    """Forked samples wait holding their prompt's blocks. Once the first sample is preempted they alone would hold
+    them, and the older sequence needs more of the pool than the rest: were they kept, it would preempt itself and
+    nothing would ever run again (the engine once looped for ever so). Their blocks go first; the oldest runs on."""
+    scheduler = make_scheduler(num_blocks=6, max_num_seqs=2)
+    older = make_seq(BLOCK_SIZE, max_tokens=4 * BLOCK_SIZE)  # grows to 5 blocks
+    first = make_seq(2 * BLOCK_SIZE + 1, max_tokens=3 * BLOCK_SIZE - 1)  # 3 blocks; grows to 5
+    samples = [make_seq(first.num_prompt_tokens, first.max_tokens) for _ in range(2)]
+    forks = {first: samples}
+    scheduler.add(older)
+    scheduler.add(first)
+    run_batch(scheduler, scheduler.schedule(), forks)
+    assert [seq.block_table for seq in samples] == [first.block_table[:2]] * 2  # waiting: max_num_seqs is 2
+    preempted = []
+    for _ in range(200):
+        if not scheduler.has_unfinished():
+            break
+        batch = scheduler.schedule()
+        assert batch.seqs or batch.preempted, "no sequence ran, none was preempted: the scheduler is stuck"
+        preempted += batch.preempted
+        run_batch(scheduler, batch, forks)
+    assert first in preempted and older not in preempted
+    assert all(seq.is_finished for seq in (older, first, *samples))
+    assert older.num_output_tokens == 4 * BLOCK_SIZE
+    assert all(seq.num_output_tokens == 3 * BLOCK_SIZE - 1 for seq in (first, *samples))
+    assert scheduler.block_manager.num_free_blocks == 6
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Static batching
 
@@ -285,9 +327,10 @@ def test_static_scheduler_tight_pool_never_preempts():
 POOL_BLOCKS = 6  # 24 tokens: every sequence below fits alone
 MAX_PROMPT, MAX_NEW = 12, 10
 
-# One round: some arrivals, some engine steps, maybe one sequence ending early (EOS), maybe one aborted.
+# One round: some arrivals (prompt length, output length, samples), some engine steps, maybe one sequence ending
+# early (EOS), maybe one aborted.
 workload_round = st.tuples(
-    st.lists(st.tuples(st.integers(1, MAX_PROMPT), st.integers(1, MAX_NEW)), max_size=3),
+    st.lists(st.tuples(st.integers(1, MAX_PROMPT), st.integers(1, MAX_NEW), st.integers(1, 3)), max_size=3),
     st.integers(0, 4),
     st.none() | st.integers(0, 100),
     st.none() | st.integers(0, 100),
@@ -305,10 +348,12 @@ def check_step(scheduler: Scheduler, batch: ScheduledBatch, live: list[Sequence]
         assert len(seq.block_table) * BLOCK_SIZE >= seq.num_computed_tokens + num_new
     for seq in batch.preempted:
         assert seq in scheduler.waiting and seq.block_table == [] and seq.num_computed_tokens == 0
+    if batch.preempted:  # waiting sequences' blocks go before a running one gives way
+        assert all(seq.block_table == [] for seq in scheduler.waiting)
     if static:
         assert batch.preempted == []
-    for seq in scheduler.waiting:
-        assert seq.block_table == []
+    for seq in scheduler.waiting:  # only a forked sample waits holding blocks: its prompt's, computed
+        assert seq.block_table == [] or seq.num_computed_tokens == len(seq.block_table) * BLOCK_SIZE < seq.num_tokens
     # Each block's reference count is the number of live tables holding it (prefix hits share blocks), and the
     # free list holds exactly the blocks nobody holds: nothing leaked, nothing freed twice.
     holders = Counter(block for seq in live for block in seq.block_table)
@@ -328,38 +373,54 @@ def check_step(scheduler: Scheduler, batch: ScheduledBatch, live: list[Sequence]
 def test_scheduler_random_workload_respects_limits_and_frees_every_block(
     rounds, max_num_seqs, budget, cls, prefix_caching, chunked
 ):
-    """Preemption, aborts, prefix caching (every prompt repeats one token, so prefixes are shared) and chunked
-    prefill together: limits hold every step and every block comes back exactly once."""
+    """Preemption, aborts, prefix caching (every prompt repeats one token, so prefixes are shared), chunked prefill
+    and requests of several samples (forked off the first once it has its prompt) together: limits hold every step,
+    the scheduler never stalls, and every block comes back exactly once."""
     static = cls is StaticScheduler
     chunked = chunked and not static
     if not chunked:  # without chunks the longest sequence must fit in one step
         budget = max(budget, MAX_PROMPT + MAX_NEW)
     scheduler = make_scheduler(POOL_BLOCKS, max_num_seqs, budget, cls, prefix_caching, chunked)
     live: list[Sequence] = []
+    forks: dict[Sequence, list[Sequence]] = {}  # first sample -> the samples it has yet to start
 
     def do_step():
         batch = scheduler.schedule()
         check_step(scheduler, batch, live, static)
+        assert batch.seqs or batch.preempted or not scheduler.has_unfinished(), "the scheduler stalled"
         if batch.preempted:
             event("preempted")
         if any(seq.num_cached_tokens for seq in batch.seqs):
             event("prefix hit")
-        for seq in run_batch(scheduler, batch):
+        if any(seq.block_table for seq in scheduler.waiting):
+            event("forked samples waiting")
+        for seq in run_batch(scheduler, batch, forks):
             live.remove(seq)
 
+    def end(seq: Sequence) -> None:  # a first sample ends its request's unstarted ones, as an abort would
+        scheduler.finish(seq)
+        live.remove(seq)
+        for sample in forks.pop(seq, []):
+            end(sample)
+        for samples in forks.values():
+            if seq in samples:
+                samples.remove(seq)
+
     for arrivals, num_steps, finish_at, abort_at in rounds:
-        for prompt_len, max_tokens in arrivals:
-            seq = make_seq(prompt_len, max_tokens)
-            live.append(seq)
-            scheduler.add(seq)
+        for prompt_len, max_tokens, n in arrivals:
+            first, *samples = (make_seq(prompt_len, max_tokens) for _ in range(n))
+            if samples:
+                forks[first] = samples
+            live += [first, *samples]
+            scheduler.add(first)
         for _ in range(num_steps):
             do_step()
-        if finish_at is not None and scheduler.running:
-            seq = scheduler.running[finish_at % len(scheduler.running)]
-            scheduler.finish(seq)
-            live.remove(seq)
+        # EOS comes with a sampled token, after the first sample has started the others.
+        eos_candidates = [seq for seq in scheduler.running if seq not in forks]
+        if finish_at is not None and eos_candidates:
+            end(eos_candidates[finish_at % len(eos_candidates)])
         if abort_at is not None and live:
-            scheduler.finish(live.pop(abort_at % len(live)))
+            end(live[abort_at % len(live)])
 
     for _ in range(len(live) * (MAX_PROMPT + MAX_NEW) * 4 + 1):
         if not scheduler.has_unfinished():
