@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from liteinfer.config import EngineConfig
 from liteinfer.engine.data_parallel import make_engine
-from liteinfer.engine.llm_engine import EngineStats, PromptType
+from liteinfer.engine.llm_engine import EngineStats, PromptType, encode_text
 from liteinfer.engine.prompts import Message, check_all, final_outputs_only, pair_prompts, render_chat
 from liteinfer.outputs import FinishReason, PositionLogprobs, RequestOutput
 from liteinfer.sampling import SamplingParams
@@ -60,7 +60,8 @@ class AsyncLLM:
 
     Requests from any number of tasks share the engine's continuous batch. Leaving an event iterator early,
     cancelling the task that reads it, or `abort(request_id)` ends the request and frees its KV blocks before the
-    next step. Past `max_waiting_seqs` queued sequences, new requests raise `EngineOverloadedError`.
+    next step. Past `max_waiting_seqs` queued sequences, new requests raise `EngineOverloadedError` (a submission
+    that alone asks for more sequences than that raises `ValueError`: retrying would not help).
     """
 
     def __init__(
@@ -231,7 +232,7 @@ class AsyncLLM:
         return await self._on_engine(render_chat, self.tokenizer, conversation, add_generation_prompt)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._on_engine(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return await self._on_engine(encode_text, self.tokenizer, text, add_special_tokens=add_special_tokens)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         vocab = self.engine.hf_config.vocab_size
@@ -253,7 +254,11 @@ class AsyncLLM:
         return outputs
 
     def _add_all(self, request_ids: list[str], requests: list[tuple[PromptType, SamplingParams]]) -> None:
-        waiting = self.engine.stats().num_waiting_seqs + sum(params.n for _, params in requests)
+        new = sum(params.n for _, params in requests)
+        if new > self.max_waiting_seqs:  # not a matter of waiting: this could never be queued
+            raise ValueError(f"these prompts ask for {new} sequences (n each), more than max_waiting_seqs="
+                             f"{self.max_waiting_seqs} can ever hold waiting; submit fewer at once")
+        waiting = self.engine.stats().num_waiting_seqs + new
         if waiting > self.max_waiting_seqs:
             raise EngineOverloadedError(
                 f"the engine is overloaded: {waiting} sequences would wait, more than max_waiting_seqs="

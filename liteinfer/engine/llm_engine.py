@@ -28,6 +28,16 @@ logger = logging.getLogger(__name__)
 PromptType = str | dict[str, Any]
 
 
+def encode_text(tokenizer: Any, text: str, **options: Any) -> list[int]:
+    """`tokenizer.encode(text)`, with a ValueError for text that is not valid Unicode (a lone surrogate, which a JSON
+    string's escapes can carry), where the tokenizer itself raises a TypeError that says nothing of why."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text is not valid Unicode: {exc.reason} at character {exc.start}") from None
+    return tokenizer.encode(text, **options)
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """The engine's load as of its last step."""
@@ -177,7 +187,7 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {vocab}), got {params.stop_token_ids}")
         if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
+            text, token_ids = prompt, encode_text(self.tokenizer, prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, token_ids = prompt.get("prompt"), prompt["prompt_token_ids"]
             vocab = self.hf_config.vocab_size

@@ -7,7 +7,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from liteinfer.engine.llm_engine import LLMEngine, PromptType
+from liteinfer.engine.llm_engine import LLMEngine, PromptType, encode_text
 from liteinfer.sampling import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # transformers is slow to import and only needed for the annotation
@@ -58,4 +58,4 @@ def render_chat(
         raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
     text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
     # The template already writes any BOS it wants; letting the tokenizer add another would double it.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return encode_text(tokenizer, text, add_special_tokens=False)

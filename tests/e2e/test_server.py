@@ -372,6 +372,12 @@ BAD_REQUESTS = {
     "unknown model": ("POST", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 400, "model"),
     "prompt too long": ("POST", "/v1/completions", TOO_LONG, 400, None),
     "bad token id": ("POST", "/detokenize", {"tokens": [-1]}, 400, None),
+    # A lone surrogate is valid JSON ("\\ud800") but no text: the tokenizer cannot take it.
+    "not Unicode": ("POST", "/v1/completions", {"prompt": "hi \ud800"}, 400, None),
+    "not Unicode, chat": ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]},
+                          400, None),
+    "not Unicode, tokenize": ("POST", "/tokenize", {"prompt": "\ud800"}, 400, None),
+    "more samples than may ever wait": ("POST", "/v1/completions", {"prompt": "hi", "n": 5000}, 400, None),
     "unknown route": ("GET", "/v1/nothing-here", None, 404, None),
     "wrong method": ("GET", "/v1/completions", None, 405, None),
 }

@@ -310,6 +310,7 @@ def test_llm_seeded_request_same_tokens_alone_and_in_batch(llm):
         ({"prompt_token_ids": None}, "prompt_token_ids"),
         (123, "prompt"),
         ({"prompt": "no ids"}, "prompt_token_ids"),
+        ("a lone surrogate \ud800", "not valid Unicode"),  # what a JSON escape can carry
     ],
 )
 def test_llm_generate_bad_prompt_raises_valueerror_and_queues_nothing(llm, prompt, match):

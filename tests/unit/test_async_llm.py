@@ -238,8 +238,11 @@ def test_more_waiting_than_max_waiting_seqs_raises_overloaded(tiny_llama_dir, sy
 
     async def main():
         async with llm:
-            with pytest.raises(EngineOverloadedError, match="max_waiting_seqs=1"):
-                await llm.generate(PROMPTS[:2], GREEDY)  # two waiting at once: refused whole
+            # Two at once can never wait here: not an overload to retry later but a request to split.
+            with pytest.raises(ValueError, match="max_waiting_seqs=1"):
+                await llm.generate(PROMPTS[:2], GREEDY)
+            with pytest.raises(ValueError, match="max_waiting_seqs=1"):
+                await llm.generate(PROMPTS[0], SamplingParams(n=2))
             assert_idle_and_all_blocks_free(llm)
 
             running = llm.stream(PROMPTS[0], LONG)
