@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import huggingface_hub
 import torch
 from huggingface_hub.errors import LocalEntryNotFoundError
@@ -141,6 +142,12 @@ def convert_gguf(source: ModelSource, target: Path) -> None:
     Written into a temporary sibling and renamed into place, so `target` either exists complete or not at all,
     even if two processes convert at once or one is killed midway.
     """
+    gguf_path = source.path / source.gguf_file
+    try:  # a damaged file fails the readers below in many ways (IndexError, numpy's reshape, ...): one clear error
+        gguf.GGUFReader(gguf_path)
+    except Exception as exc:
+        raise ValueError(f"{gguf_path}: not a GGUF file that can be read (truncated, corrupt or of an unknown "
+                         f"version): {type(exc).__name__}: {exc}") from exc
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:

@@ -70,6 +70,19 @@ def test_resolve_gguf_file_path_uses_conversion_cache(tmp_path, cache, conversio
     assert source.path.name.startswith("tiny.Q8_0-4-")  # stem, size, mtime
 
 
+@pytest.mark.parametrize("damage", ["empty", "header cut", "tensors cut", "not GGUF"])
+def test_resolve_damaged_gguf_raises_naming_file_and_caches_nothing(tmp_path, cache, damage):
+    whole = smollm2_gguf_path().read_bytes()
+    damaged = {"empty": b"", "header cut": whole[:1000], "tensors cut": whole[: len(whole) // 2],
+               "not GGUF": b"GGUF" + bytes(range(256)) * 20}[damage]
+    gguf_path = tmp_path / "damaged.gguf"
+    gguf_path.write_bytes(damaged)
+
+    with pytest.raises(ValueError, match="damaged.gguf: not a GGUF file that can be read"):
+        resolve_model(str(gguf_path))
+    assert not (cache / "gguf").exists() or not any((cache / "gguf").iterdir())
+
+
 def test_gguf_cache_dir_edited_file_gets_new_dir(tmp_path, cache):
     gguf_path = tmp_path / "m.gguf"
     gguf_path.write_bytes(b"GGUF")
