@@ -1,0 +1,92 @@
+"""Random engine configurations and requests against the plain engine (hypothesis).
+
+Whatever the pool size, the scheduler, prefix caching and chunking, with samples of n > 1 requests forked off their
+first one, stop strings and an abort mixed in: every request ends, every block comes back, and each sample of a
+greedy or seeded request has the plain engine's tokens and text. (Such a run found the engine looping for ever on a
+tight pool with n > 1 requests, 2026-12-05.)
+"""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from liteinfer import LLM, SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+MAX_MODEL_LEN = 128  # 8 blocks of 16 tokens: the smallest pool below holds one sequence at full length
+MAX_STEPS = 5_000
+
+engine_configs = st.one_of(
+    st.fixed_dictionaries({
+        "scheduler": st.just("continuous"),
+        "num_kv_blocks": st.sampled_from([8, 12, 24, 64]),
+        "max_num_seqs": st.sampled_from([1, 2, 4, 32]),
+        "enable_prefix_caching": st.booleans(),
+        "enable_chunked_prefill": st.booleans(),
+        "max_num_batched_tokens": st.sampled_from([16, 48, 256]),
+    }).map(lambda c: c if c["enable_chunked_prefill"] else {**c, "max_num_batched_tokens": MAX_MODEL_LEN}),
+    st.fixed_dictionaries({
+        "scheduler": st.just("static"),
+        "num_kv_blocks": st.sampled_from([8, 24]),
+        "max_num_seqs": st.sampled_from([1, 3]),
+    }),
+)
+# (prompt length, shares the common prefix, max_tokens, n, seeded sampling rather than greedy, stop strings)
+request_specs = st.lists(
+    st.tuples(st.integers(1, 80), st.booleans(), st.integers(1, 40), st.integers(1, 3), st.booleans(),
+              st.sampled_from([[], ["e"], [" the", "ab"]])),
+    min_size=1, max_size=8,
+)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir) -> LLM:
+    """Every request at once in a pool for all of them: nothing preempted, chunked or cached."""
+    return LLM(str(tiny_llama_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=512,
+               max_num_batched_tokens=4096, enable_chunked_prefill=False, enable_prefix_caching=False)
+
+
+def run(llm: LLM, requests: dict, abort: tuple[str, int] | None = None) -> dict:
+    """The finished outputs by request id, stepping the engine by hand so that one request can be aborted at a
+    given step."""
+    engine = llm.engine
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    outputs = {}
+    for step in range(MAX_STEPS):
+        if not engine.has_unfinished_requests():
+            break
+        outputs.update((out.request_id, out) for out in engine.step() if out.finished)
+        if abort is not None and step == abort[1] and (out := engine.abort_request(abort[0])) is not None:
+            outputs[abort[0]] = out
+    assert not engine.has_unfinished_requests(), f"still unfinished after {MAX_STEPS} steps: the engine is stuck"
+    manager = engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks and not any(manager.ref_counts)
+    return outputs
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=engine_configs, specs=request_specs, prefix=st.lists(st.integers(10, 5000), min_size=20, max_size=20),
+       tokens=st.randoms(use_true_random=False), abort_at=st.none() | st.tuples(st.integers(0, 7), st.integers(0, 20)))
+def test_random_engine_config_and_requests_give_the_plain_engines_samples(
+    tiny_llama_dir, plain, config, specs, prefix, tokens, abort_at
+):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, **config)
+    requests = {}
+    for i, (length, shared, max_tokens, n, seeded, stop) in enumerate(specs):
+        ids = (prefix if shared else []) + [tokens.randrange(10, 5000) for _ in range(length)]
+        params = SamplingParams(max_tokens=max_tokens, n=n, stop=stop, ignore_eos=True,
+                                **({"temperature": 0.8, "top_p": 0.9, "seed": i} if seeded else {"temperature": 0}))
+        requests[f"r{i}"] = ({"prompt_token_ids": ids}, params)
+    abort = None if abort_at is None or abort_at[0] >= len(specs) else (f"r{abort_at[0]}", abort_at[1])
+
+    outputs = run(llm, requests, abort)
+    expected = run(plain, {request_id: request for request_id, request in requests.items()
+                           if abort is None or request_id != abort[0]})
+
+    assert set(outputs) == set(requests)
+    for request_id, want in expected.items():
+        got = outputs[request_id]
+        assert [(s.token_ids, s.text, s.finish_reason) for s in got.outputs] == [
+            (s.token_ids, s.text, s.finish_reason) for s in want.outputs], request_id
