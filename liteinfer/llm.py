@@ -60,6 +60,9 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the model's chat template."""
+        if not isinstance(messages, list):
+            raise ValueError(f"messages is a conversation (a list of messages) or a list of them, got "
+                             f"{type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             {"prompt_token_ids": self.apply_chat_template(conversation, add_generation_prompt)}

@@ -50,12 +50,36 @@ def check_all(
     return checked
 
 
+def template_messages(conversation: object) -> list[Message]:
+    """A conversation as chat templates read it, or a ValueError saying what is wrong with it (a template fails on
+    a malformed message with a jinja2 UndefinedError or a TypeError that does not). Each message needs a string
+    `role`; its `content` may be a string, None (empty) or, as OpenAI's API sends it, a list of text parts, which
+    are joined. Other fields pass through."""
+    if not isinstance(conversation, list):
+        raise ValueError(f"a conversation is a list of messages, got {type(conversation).__name__}")
+    messages = []
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"message {i} must be a dict with a string 'role', got {message!r:.80}")
+        content = message.get("content")
+        if isinstance(content, list) and all(
+            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            for part in content
+        ):
+            content = "".join(part["text"] for part in content)
+        if content is not None and not isinstance(content, str):
+            raise ValueError(f"message {i}'s content must be a string or a list of text parts, got {content!r:.80}")
+        messages.append({**message, "content": content or ""})
+    return messages
+
+
 def render_chat(
     tokenizer: PreTrainedTokenizerBase, conversation: list[Message], add_generation_prompt: bool = True
 ) -> list[int]:
     """The prompt token ids of a conversation, rendered with the tokenizer's chat template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(template_messages(conversation), tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
     # The template already writes any BOS it wants; letting the tokenizer add another would double it.
     return encode_text(tokenizer, text, add_special_tokens=False)

@@ -550,6 +550,28 @@ def test_llm_chat_one_conversation_uses_chat_template(llm):
     assert outs[0].outputs[0].token_ids == greedy(llm, {"prompt_token_ids": expected}, max_tokens=6).token_ids
 
 
+@pytest.mark.parametrize(
+    ("messages", "match"),
+    [
+        ("Hello", "messages is a conversation"),
+        ([{"content": "Hello"}], "message 0 must be a dict with a string 'role'"),
+        ([["user", "Hello"]], "message 0 must be a dict"),
+        ([{"role": "user", "content": 5}], "message 0's content must be a string or a list of text parts"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "list of text parts"),
+    ],
+)
+def test_llm_chat_malformed_conversation_raises_valueerror(llm, messages, match):
+    with pytest.raises(ValueError, match=match):  # not the template's jinja2 UndefinedError or TypeError
+        llm.chat(messages, SamplingParams(max_tokens=2))
+
+
+def test_llm_chat_content_as_text_parts_or_none_renders_as_a_string(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2 + 2?"}]}]
+    assert llm.apply_chat_template(parts) == llm.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}])
+    assert llm.apply_chat_template([{"role": "user", "content": None}]) == llm.apply_chat_template(
+        [{"role": "user", "content": ""}])
+
+
 def test_llm_chat_list_of_conversations_one_output_each_in_order(llm):
     outs = llm.chat(CONVERSATIONS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(outs) == len(CONVERSATIONS)

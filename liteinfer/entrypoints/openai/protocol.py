@@ -97,10 +97,7 @@ class ChatMessage(OpenAIRequest):
     content: str | list[TextPart] | None = None
 
     def as_template_message(self) -> Message:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        return self.model_dump()  # text parts are joined by render_chat (engine/prompts.py: template_messages)
 
 
 class ChatCompletionRequest(SamplingRequest):
