@@ -63,7 +63,7 @@ def iter_checkpoint(
     meets GGUF files converted to safetensors (models/source.py).
     """
     if source.gguf_file is not None:
-        return _iter_gguf(source.path / source.gguf_file, config)
+        return gguf_tensors(read_gguf(source.path / source.gguf_file), config)
     return _iter_safetensors(safetensors_files(source.path), lazy)
 
 
@@ -96,8 +96,18 @@ def _iter_safetensors(files: list[Path], lazy: bool) -> Iterator[tuple[str, torc
             raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
 
 
-def _iter_gguf(file: Path, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    reader = gguf.GGUFReader(file)
+def read_gguf(file: Path) -> gguf.GGUFReader:
+    """gguf's reader over `file`; a damaged file fails it in many ways (IndexError, numpy's reshape, ...): one clear
+    error instead."""
+    try:
+        return gguf.GGUFReader(file)
+    except Exception as e:
+        raise ValueError(f"{file}: not a GGUF file that can be read (truncated, corrupt or of an unknown version): "
+                         f"{type(e).__name__}: {e}") from e
+
+
+def gguf_tensors(reader: gguf.GGUFReader, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    file = reader.data.filename  # the memory map's path
     arch = reader.fields["general.architecture"].contents()
     hf_names = _gguf_to_hf_names(arch, config)
     for tensor in reader.tensors:

