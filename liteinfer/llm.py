@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as SequenceABC
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -58,17 +59,31 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = False,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, rendered with the model's chat template."""
+        """Generate replies to one conversation or a list of them, rendered with the model's chat template
+        (`apply_chat_template` for the options)."""
         if not isinstance(messages, list):
             raise ValueError(f"messages is a conversation (a list of messages) or a list of them, got "
                              f"{type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            {"prompt_token_ids": self.apply_chat_template(conversation, add_generation_prompt)}
+            {"prompt_token_ids": self.apply_chat_template(conversation, add_generation_prompt, continue_final_message,
+                                                          chat_template_kwargs)}
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, conversation: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        return render_chat(self.tokenizer, conversation, add_generation_prompt)
+    def apply_chat_template(
+        self,
+        conversation: list[Message],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """A conversation's prompt token ids: the assistant's turn opened (`add_generation_prompt`) or the last
+        message left open to be continued (`continue_final_message`); `chat_template_kwargs` are further variables
+        of the template (Qwen3's `enable_thinking`, ...)."""
+        return render_chat(self.tokenizer, conversation, add_generation_prompt, continue_final_message,
+                           chat_template_kwargs)

@@ -228,8 +228,16 @@ class AsyncLLM:
     # ----------------------------------------------------------------------------------------------------------
     # Tokenizer work, run on the engine's thread like everything else that uses the tokenizer
 
-    async def apply_chat_template(self, conversation: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        return await self._on_engine(render_chat, self.tokenizer, conversation, add_generation_prompt)
+    async def apply_chat_template(
+        self,
+        conversation: list[Message],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """As `LLM.apply_chat_template`."""
+        return await self._on_engine(render_chat, self.tokenizer, conversation, add_generation_prompt,
+                                     continue_final_message, chat_template_kwargs)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._on_engine(encode_text, self.tokenizer, text, add_special_tokens=add_special_tokens)

@@ -3,9 +3,12 @@ checked as a whole, and chat conversations rendered with the model's template. S
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence as SequenceABC
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import jinja2
 
 from liteinfer.engine.llm_engine import LLMEngine, PromptType, encode_text
 from liteinfer.sampling import RequestOutputKind, SamplingParams
@@ -74,12 +77,38 @@ def template_messages(conversation: object) -> list[Message]:
 
 
 def render_chat(
-    tokenizer: PreTrainedTokenizerBase, conversation: list[Message], add_generation_prompt: bool = True
+    tokenizer: PreTrainedTokenizerBase,
+    conversation: list[Message],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """The prompt token ids of a conversation, rendered with the tokenizer's chat template."""
+    """The prompt token ids of a conversation, rendered with the tokenizer's chat template: ending with the
+    assistant's turn opened (`add_generation_prompt`) or with the last message left open for the model to go on
+    with (`continue_final_message`). `chat_template_kwargs` are further variables the template reads (Qwen3's
+    `enable_thinking`, for one). A template that refuses the conversation (alternating roles, ...) raises
+    ValueError with its message."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
-    text = tokenizer.apply_chat_template(template_messages(conversation), tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message leaves the last message open, add_generation_prompt opens a new "
+                         "one: set only one of them")
+    variables = chat_template_kwargs or {}
+    if not isinstance(variables, dict) or not all(isinstance(name, str) for name in variables):
+        raise ValueError(f"chat_template_kwargs maps the template's variables by name, got {variables!r:.80}")
+    # apply_chat_template's own arguments would change how it renders, not what the template reads, and `messages`
+    # is the conversation itself.
+    own = {name for name, parameter in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+           if parameter.kind is not inspect.Parameter.VAR_KEYWORD} | {"messages"}
+    if taken := sorted(own & variables.keys()):
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: not variables of the template's own")
+    messages = template_messages(conversation)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **variables)
+    # The template's raise_exception(...), or a variable of chat_template_kwargs that it cannot use (TypeError:
+    # the messages, checked above, cannot cause one).
+    except (jinja2.TemplateError, TypeError) as e:
+        raise ValueError(f"the chat template refused the conversation: {e}") from e
     # The template already writes any BOS it wants; letting the tokenizer add another would double it.
     return encode_text(tokenizer, text, add_special_tokens=False)

@@ -68,7 +68,7 @@ def iter_checkpoint(
 
 
 class LazyTensor:
-    """A checkpoint tensor not read yet: `shape`, and `narrow` / `[...]` read only what they select.
+    """A checkpoint tensor not read yet: `shape`, `dtype`, and `narrow` / `[...]` read only what they select.
 
     The parameters' weight loaders take a slice (a tensor-parallel rank's rows or columns) through the same
     `narrow` a `torch.Tensor` has, so a rank never holds more of a tensor than its own share."""
@@ -76,6 +76,8 @@ class LazyTensor:
     def __init__(self, tensor_slice):  # a safetensors slice (safe_open(...).get_slice(name))
         self._slice = tensor_slice
         self.shape = torch.Size(tensor_slice.get_shape())
+        # An empty slice reads nothing and carries the dtype in torch's terms (a scalar is read whole).
+        self.dtype = (tensor_slice[:0] if self.shape else tensor_slice[...]).dtype
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         index = (slice(None),) * dim + (slice(start, start + length),)
@@ -184,8 +186,8 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
 
     Packed parameters (see `packed_modules_mapping`) receive one shard per checkpoint tensor through the
     parameter's `weight_loader`, or the whole packed tensor where the checkpoint stores it fused (Phi-3). Raises
-    ValueError for tensors the model has no place for, shape mismatches and parameters (or shards) the checkpoint
-    never provided.
+    ValueError for tensors the model has no place for, tensors that are not floating point, shape mismatches,
+    parameters (or shards) the checkpoint never provided, and NaN or infinite values.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
@@ -202,6 +204,11 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
         param = params.get(param_name)
         if param is None:
             raise ValueError(f"checkpoint tensor {name} has no matching parameter in {type(model).__name__}")
+        if not tensor.dtype.is_floating_point:
+            # Copied into a float parameter an integer tensor would load as numbers, not fail: weights stored in a
+            # form this model does not read (an integer-quantized checkpoint's, or damaged ones).
+            raise ValueError(f"checkpoint tensor {name} is {tensor.dtype}, not floating point: "
+                             f"{type(model).__name__} reads float weights")
         weight_loader = getattr(param, "weight_loader", _copy_whole)
         try:
             if shard_id is None:
@@ -223,6 +230,10 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
             missing.append(f"{name} (shards {sorted(absent, key=str)})")
     if missing:
         raise ValueError(f"checkpoint is missing tensors for parameters: {', '.join(missing)}")
+    # A NaN or infinite weight would not fail anywhere later: every logit turns NaN and sampling picks token 0.
+    damaged = [name for name, param in model.named_parameters() if not torch.isfinite(param).all()]
+    if damaged:
+        raise ValueError(f"checkpoint holds NaN or infinite values, loaded into: {', '.join(damaged)}")
 
 
 def _packed_target(name: str, packed: dict[str, tuple[str, str | int]]) -> tuple[str, str | int | None]:

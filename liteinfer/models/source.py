@@ -87,7 +87,10 @@ def load_config(source: ModelSource) -> PretrainedConfig:
 
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    try:
+        return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    except Exception as e:  # a damaged tokenizer file fails deep in transformers as JSON, key or value errors
+        raise ValueError(f"{source.name}: its tokenizer could not be loaded ({type(e).__name__}: {e})") from e
 
 
 def _builtin_gguf_path() -> Path:

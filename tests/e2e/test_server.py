@@ -163,6 +163,18 @@ def test_chat_completion_equals_llm_chat(client, sync_llm):
     assert result.usage.completion_tokens == len(reference.outputs[0].token_ids)
 
 
+def test_chat_continuing_the_final_message_equals_llm_chat(client, sync_llm):
+    started = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    reference = sync_llm.chat(started, GREEDY, add_generation_prompt=False, continue_final_message=True)[0]
+    assert sync_llm.tokenizer.decode(reference.prompt_token_ids).endswith("assistant\nThe capital of France is")
+    result = client.chat.completions.create(
+        model=MODEL, messages=started, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {}},
+    )
+    assert result.choices[0].message.content == reference.outputs[0].text
+    assert result.usage.prompt_tokens == len(reference.prompt_token_ids)
+
+
 def test_chat_stream_opens_with_the_role_and_concatenates_to_the_text(client, sync_llm):
     reference = sync_llm.chat(QUESTION, GREEDY)[0].outputs[0]
     chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=MAX_TOKENS,
@@ -331,6 +343,9 @@ def test_models_health_version_and_tokenize_round_trip(port, sync_llm):
     assert tokenized["count"] == len(tokenized["tokens"])
     status, chat = request(port, "POST", "/tokenize", {"messages": QUESTION})
     assert status == 200 and chat["tokens"] == sync_llm.apply_chat_template(QUESTION)
+    status, chat = request(port, "POST", "/tokenize", {"messages": QUESTION, "add_generation_prompt": False,
+                                                       "continue_final_message": True})
+    assert status == 200 and chat["tokens"] == sync_llm.apply_chat_template(QUESTION, False, True)
     status, detokenized = request(port, "POST", "/detokenize", {"tokens": tokenized["tokens"]})
     assert status == 200 and detokenized["prompt"] == PROMPTS[0]
 
@@ -370,6 +385,14 @@ BAD_REQUESTS = {
     "unsupported field": ("POST", "/v1/chat/completions", {"messages": QUESTION, "tools": [{"type": "x"}]}, 400,
                           None),
     "unknown model": ("POST", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 400, "model"),
+    "generation prompt and continued message": ("POST", "/v1/chat/completions",
+                                                {"messages": QUESTION, "continue_final_message": True}, 400,
+                                                "continue_final_message"),
+    "chat_template_kwargs not the template's": ("POST", "/v1/chat/completions",
+                                                {"messages": QUESTION, "chat_template_kwargs": {"tokenize": True}},
+                                                400, "chat_template_kwargs"),
+    "chat_template_kwargs not an object": ("POST", "/tokenize", {"messages": QUESTION, "chat_template_kwargs": [1]},
+                                           400, "chat_template_kwargs"),
     "prompt too long": ("POST", "/v1/completions", TOO_LONG, 400, None),
     "bad token id": ("POST", "/detokenize", {"tokens": [-1]}, 400, None),
     # A lone surrogate is valid JSON ("\\ud800") but no text: the tokenizer cannot take it.

@@ -46,7 +46,7 @@ class Recorded:
     """A checkpoint tensor that records how many elements each read takes."""
 
     def __init__(self, tensor, sizes: list[int]):
-        self.tensor, self.sizes, self.shape = tensor, sizes, tensor.shape
+        self.tensor, self.sizes, self.shape, self.dtype = tensor, sizes, tensor.shape, tensor.dtype
 
     def narrow(self, *args) -> torch.Tensor:
         return self._record(self.tensor.narrow(*args))

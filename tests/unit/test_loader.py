@@ -1,5 +1,6 @@
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -192,6 +193,36 @@ def test_load_weights_wrong_shape_raises_naming_tensor(name):
     checkpoint[name] = torch.randn(3, 3)
 
     with pytest.raises(ValueError, match=rf"{name}.*\(3, 3\)"):
+        load_weights(TinyModel(), checkpoint.items())
+
+
+def test_load_weights_integer_tensor_raises_naming_it():
+    # An integer tensor copied into a float parameter would load as numbers, not fail.
+    checkpoint = tiny_checkpoint()
+    checkpoint["model.layers.0.self_attn.o_proj.weight"] = torch.ones(HIDDEN, 16, dtype=torch.int32)
+
+    with pytest.raises(ValueError, match=r"o_proj\.weight is torch\.int32, not floating point"):
+        load_weights(TinyModel(), checkpoint.items())
+
+
+def test_load_weights_integer_tensor_read_lazily_raises_naming_it(tmp_path):
+    expected = save_tiny_llama(tmp_path, tied=False)
+    name = "model.layers.0.mlp.down_proj.weight"
+    save_file({**expected, name: expected[name].to(torch.int8)}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    source = ModelSource("tiny", tmp_path)
+
+    with pytest.raises(ValueError, match=rf"{name} is torch.int8, not floating point"):
+        load_weights(LlamaForCausalLM(tiny_llama_config(tied=False)),
+                     iter_checkpoint(source, tiny_llama_config(tied=False), lazy=True))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_load_weights_non_finite_value_raises_naming_parameter(value):
+    checkpoint = tiny_checkpoint()
+    checkpoint["model.layers.0.self_attn.k_proj.weight"][3, 1] = value
+
+    with pytest.raises(ValueError, match=r"NaN or infinite values, loaded into: model\.layers\.0\.self_attn\.qkv_proj"):
         load_weights(TinyModel(), checkpoint.items())
 
 

@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from liteinfer.models import source as source_module
-from liteinfer.models.source import ModelSource, gguf_cache_dir, load_config, resolve_model
+from liteinfer.models.source import ModelSource, gguf_cache_dir, load_config, load_tokenizer, resolve_model
 
 
 def write_model_dir(directory, architectures=("LlamaForCausalLM",)) -> None:
@@ -180,3 +180,12 @@ def test_load_config_keeps_given_architectures(tmp_path):
     write_model_dir(tmp_path, architectures=("MyLlamaForCausalLM",))
 
     assert load_config(ModelSource("m", tmp_path)).architectures == ["MyLlamaForCausalLM"]
+
+
+@pytest.mark.parametrize("content", ["", "garbage", '{"model": {"type": "Nope"}}'])
+def test_load_damaged_tokenizer_raises_naming_model(tmp_path, content):
+    write_model_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(content)
+
+    with pytest.raises(ValueError, match="tiny: its tokenizer could not be loaded"):
+        load_tokenizer(ModelSource("tiny", tmp_path))

@@ -106,6 +106,10 @@ class ChatCompletionRequest(SamplingRequest):
     )
 
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's extras for the chat template (engine/prompts.py: render_chat).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     max_tokens: int | None = None  # null = up to the context limit
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool | None = False
@@ -123,6 +127,8 @@ class TokenizeRequest(OpenAIRequest):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

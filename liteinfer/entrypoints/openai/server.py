@@ -13,7 +13,6 @@ from contextlib import aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import jinja2
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -142,7 +141,8 @@ class OpenAIServer:
         with _user_errors(body):
             if body.messages is not None:
                 conversation = [message.as_template_message() for message in body.messages]
-                tokens = await self.llm.apply_chat_template(conversation, body.add_generation_prompt)
+                tokens = await self.llm.apply_chat_template(conversation, body.add_generation_prompt,
+                                                            body.continue_final_message, body.chat_template_kwargs)
             else:
                 tokens = await self.llm.tokenize(body.prompt, body.add_special_tokens)
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=self.llm.max_model_len)
@@ -196,7 +196,9 @@ class OpenAIServer:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         with _user_errors(body):
             params = body.sampling_params(max_tokens, num_top)
-            prompt = {"prompt_token_ids": await self.llm.apply_chat_template(body.conversation())}
+            prompt = {"prompt_token_ids": await self.llm.apply_chat_template(
+                body.conversation(), body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+            )}
         batch = await self._submit("chatcmpl", body, [prompt], params)
 
         def logprobs(token_ids: list[int], positions: list[PositionLogprobs] | None) -> ChatLogprobs | None:
@@ -396,7 +398,7 @@ def _user_errors(body: OpenAIRequest) -> Iterator[None]:
         yield
     except EngineOverloadedError as exc:
         raise APIError(503, str(exc)) from exc
-    except (ValueError, jinja2.TemplateError) as exc:
+    except ValueError as exc:  # a template's refusal included (engine/prompts.py: render_chat)
         first_word = str(exc).split(" ", 1)[0]
         raise APIError(400, str(exc), param=first_word if first_word in type(body).model_fields else None) from exc
 

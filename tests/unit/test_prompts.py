@@ -1,0 +1,77 @@
+"""Chat conversations rendered with a tokenizer's template (engine/prompts.py: render_chat), on SmolLM2's tokenizer."""
+
+import copy
+
+import pytest
+
+from liteinfer.engine.prompts import render_chat
+
+QUESTION = {"role": "user", "content": "What is 2 + 2?"}
+STARTED_REPLY = {"role": "assistant", "content": "The answer is"}
+
+
+def text(tokenizer, token_ids: list[int]) -> str:
+    return tokenizer.decode(token_ids)
+
+
+def test_generation_prompt_opens_the_assistants_turn(smollm2_tokenizer):
+    rendered = text(smollm2_tokenizer, render_chat(smollm2_tokenizer, [QUESTION]))
+    assert rendered.endswith("What is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+    without = text(smollm2_tokenizer, render_chat(smollm2_tokenizer, [QUESTION], add_generation_prompt=False))
+    assert without.endswith("What is 2 + 2?<|im_end|>\n")
+
+
+def test_continue_final_message_leaves_the_last_message_open(smollm2_tokenizer):
+    token_ids = render_chat(smollm2_tokenizer, [QUESTION, STARTED_REPLY], add_generation_prompt=False,
+                            continue_final_message=True)
+    assert text(smollm2_tokenizer, token_ids).endswith("<|im_start|>assistant\nThe answer is")
+
+
+def test_continue_final_message_with_generation_prompt_raises(smollm2_tokenizer):
+    with pytest.raises(ValueError, match="set only one of them"):
+        render_chat(smollm2_tokenizer, [QUESTION, STARTED_REPLY], continue_final_message=True)
+
+
+@pytest.fixture
+def templated(smollm2_tokenizer):
+    """SmolLM2's tokenizer with a template that reads a variable of its own and refuses a conversation."""
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = (
+        "{% for message in messages %}"
+        "{% if message['role'] == 'system' %}{{ raise_exception('no system messages here') }}{% endif %}"
+        "{{ message['role'] + ': ' + message['content'] + '\n' }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}{{ 'NO THINKING\n' }}{% endif %}"
+        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+    )
+    return tokenizer
+
+
+def test_chat_template_kwargs_are_the_templates_variables(templated):
+    plain = text(templated, render_chat(templated, [QUESTION]))
+    assert plain == "user: What is 2 + 2?\nassistant: "
+    no_thinking = text(templated, render_chat(templated, [QUESTION], chat_template_kwargs={"enable_thinking": False}))
+    assert no_thinking == "user: What is 2 + 2?\nNO THINKING\nassistant: "
+
+
+@pytest.mark.parametrize(("variables", "match"), [
+    ({"tokenize": True}, "chat_template_kwargs may not set tokenize: not variables of the template's own"),
+    ({"add_generation_prompt": False, "continue_final_message": True},
+     "chat_template_kwargs may not set add_generation_prompt, continue_final_message"),
+    ({"messages": []}, "chat_template_kwargs may not set messages"),
+    (["enable_thinking"], "chat_template_kwargs maps the template's variables by name"),
+    ({1: True}, "chat_template_kwargs maps the template's variables by name"),
+])
+def test_chat_template_kwargs_that_are_not_template_variables_raise(templated, variables, match):
+    with pytest.raises(ValueError, match=match):
+        render_chat(templated, [QUESTION], chat_template_kwargs=variables)
+
+
+def test_template_refusing_the_conversation_raises_valueerror_with_its_message(templated):
+    with pytest.raises(ValueError, match="the chat template refused the conversation: no system messages here"):
+        render_chat(templated, [{"role": "system", "content": "Be brief."}, QUESTION])
+
+
+def test_template_variable_it_cannot_use_raises_valueerror(templated):
+    system = [{"role": "system", "content": "Be brief."}]
+    with pytest.raises(ValueError, match="refused the conversation: 'int' object is not callable"):  # a TypeError
+        render_chat(templated, system, chat_template_kwargs={"raise_exception": 1})
