@@ -10,21 +10,17 @@ QUESTION = {"role": "user", "content": "What is 2 + 2?"}
 STARTED_REPLY = {"role": "assistant", "content": "The answer is"}
 
 
-def text(tokenizer, token_ids: list[int]) -> str:
-    return tokenizer.decode(token_ids)
-
-
 def test_generation_prompt_opens_the_assistants_turn(smollm2_tokenizer):
-    rendered = text(smollm2_tokenizer, render_chat(smollm2_tokenizer, [QUESTION]))
+    rendered = smollm2_tokenizer.decode(render_chat(smollm2_tokenizer, [QUESTION]))
     assert rendered.endswith("What is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
-    without = text(smollm2_tokenizer, render_chat(smollm2_tokenizer, [QUESTION], add_generation_prompt=False))
+    without = smollm2_tokenizer.decode(render_chat(smollm2_tokenizer, [QUESTION], add_generation_prompt=False))
     assert without.endswith("What is 2 + 2?<|im_end|>\n")
 
 
 def test_continue_final_message_leaves_the_last_message_open(smollm2_tokenizer):
     token_ids = render_chat(smollm2_tokenizer, [QUESTION, STARTED_REPLY], add_generation_prompt=False,
                             continue_final_message=True)
-    assert text(smollm2_tokenizer, token_ids).endswith("<|im_start|>assistant\nThe answer is")
+    assert smollm2_tokenizer.decode(token_ids).endswith("<|im_start|>assistant\nThe answer is")
 
 
 def test_continue_final_message_with_generation_prompt_raises(smollm2_tokenizer):
@@ -47,9 +43,9 @@ def templated(smollm2_tokenizer):
 
 
 def test_chat_template_kwargs_are_the_templates_variables(templated):
-    plain = text(templated, render_chat(templated, [QUESTION]))
+    plain = templated.decode(render_chat(templated, [QUESTION]))
     assert plain == "user: What is 2 + 2?\nassistant: "
-    no_thinking = text(templated, render_chat(templated, [QUESTION], chat_template_kwargs={"enable_thinking": False}))
+    no_thinking = templated.decode(render_chat(templated, [QUESTION], chat_template_kwargs={"enable_thinking": False}))
     assert no_thinking == "user: What is 2 + 2?\nNO THINKING\nassistant: "
 
 
