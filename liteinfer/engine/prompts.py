@@ -96,12 +96,14 @@ def render_chat(
     variables = chat_template_kwargs or {}
     if not isinstance(variables, dict) or not all(isinstance(name, str) for name in variables):
         raise ValueError(f"chat_template_kwargs maps the template's variables by name, got {variables!r:.80}")
-    # apply_chat_template's own arguments would change how it renders, not what the template reads, and `messages`
-    # is the conversation itself.
-    own = {name for name, parameter in inspect.signature(tokenizer.apply_chat_template).parameters.items()
-           if parameter.kind is not inspect.Parameter.VAR_KEYWORD} | {"messages"}
-    if taken := sorted(own & variables.keys()):
-        raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: not variables of the template's own")
+    if variables:  # (the signature is read only for a request that sets some)
+        # apply_chat_template's own arguments would change how it renders, not what the template reads, and
+        # `messages` is the conversation itself.
+        own = {name for name, parameter in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+               if parameter.kind is not inspect.Parameter.VAR_KEYWORD} | {"messages"}
+        if taken := sorted(own & variables.keys()):
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: not variables of the template's "
+                             "own")
     messages = template_messages(conversation)
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
