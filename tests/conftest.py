@@ -100,6 +100,14 @@ def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     return directory
 
 
+@pytest.fixture(scope="session")
+def tiny_heads_64(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A tiny Llama with heads of 64, which our attention kernels take (int8 pools and prompts included)."""
+    directory = tmp_path_factory.mktemp("tiny-llama-heads-64")
+    make_tiny_llama(directory, smollm2_tokenizer, "gqa-untied", head_dim=64)
+    return directory
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """For a module of tiny-model tests: with one torch thread, thread hand-offs stop costing more than the maths."""

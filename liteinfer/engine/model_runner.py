@@ -59,13 +59,20 @@ class ModelRunner:
         return [i for i, _ in sampling], self.sampler(logits, rows)
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor, AttentionMetadata, list[int]]:
-        """Lay the step's tokens end to end, decodes first (attention batches them), then multi-token spans.
+        """Lay the step's tokens end to end, decodes first (attention batches them), then prompt spans.
+
+        A decode is one generated token. Prompt tokens go through the prompt path even one at a time (the last token
+        of a cached or forked prompt, a one-token chunk): the decode kernel rounds otherwise (with int8 pools it also
+        rounds the query to 8 bits), so a prompt's logits would depend on how it was split, and a greedy n > 1
+        request's forked samples could depart from its first.
 
         Returns the batch order used, input ids, the attention metadata (positions included), and for each sequence (in
         that order) the row of its last token if it samples this step, else -1.
         """
         device, block_size = self.device, self.block_size
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] > 1)
+        decodes = [count == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+                   for seq, count in zip(batch.seqs, batch.num_new_tokens)]
+        order = sorted(range(len(batch.seqs)), key=lambda i: not decodes[i])
         # Built as Python lists, turned into tensors once: each torch op on a tiny tensor costs microseconds, several
         # times more with the caches cold after a forward pass, and a decode step of one sequence is milliseconds.
         # The Python work is per sequence, and per block (not per token) for the slots.
@@ -85,7 +92,7 @@ class ModelRunner:
             slot_blocks += blocks
             slot_offsets += offsets
             last_token.append(row + count - 1 if end == seq.num_tokens else -1)
-            if count == 1:
+            if decodes[i]:
                 decode_tables.append(seq.block_table)
             else:
                 prefills.append(PrefillSpan(row, row + count, seq.block_table, end))

@@ -8,10 +8,11 @@ at positions up to its own (and within the sliding window, for layers that have 
 The pools hold K/V in the model's dtype, or in bytes at a scale per row (`kv_cache_dtype="int8"`), which the kernels
 read as they lie and the other paths dequantize after gathering.
 
-Single-token steps (decodes) are batched into one call of a kernel that reads each sequence's blocks where they lie
-in the pool: on CPU ours in C++ (liteinfer.kernels), on CUDA ours in Triton (kernels/triton_attention.py) where
-Triton is installed; elsewhere, or where the C++ kernels could not be built, a grouped matmul over a gathered copy of
-the blocks. Multi-token steps (a prefill or a chunk of one) are batched into one call of our prompt kernel on AVX-512
+Decodes (one generated token per sequence) are batched into one call of a kernel that reads each sequence's blocks
+where they lie in the pool: on CPU ours in C++ (liteinfer.kernels), on CUDA ours in Triton (kernels/triton_attention.py)
+where Triton is installed; elsewhere, or where the C++ kernels could not be built, a grouped matmul over a gathered
+copy of the blocks. Spans (a prompt, a chunk of one, even a single prompt token, or tokens computed again after a
+preemption) are batched into one call of our prompt kernel on AVX-512
 CPUs (head sizes 64 and 128, no soft-capping; up to 1,024 keys unless it runs in AMX tiles) or of our Triton one on
 CUDA (blocks of 16 keys or more); otherwise each runs on its own through PyTorch's fused scaled-dot-product
 attention. Either way a long prefill never pads the decodes that share its step and never materialises its
@@ -40,7 +41,7 @@ PROMPT_KERNEL_MAX_KEYS = 1024  # see PagedAttention._prompt_kernel_takes
 
 @dataclass
 class PrefillSpan:
-    """A sequence computing several tokens this step."""
+    """A sequence computing a span of tokens this step: prompt tokens (one or more), or tokens computed again."""
 
     start: int  # its tokens' range [start, end) in the packed batch
     end: int

@@ -6,7 +6,6 @@ their greedy choices are near-ties that any rounding of the K/V flips."""
 import pytest
 import torch
 from agreement import BUDGET, CHAT_QUESTIONS, assert_agrees_with_fp32_as_closely_as_bf16, chat_tokens, departure_gaps
-from conftest import make_tiny_llama
 from test_compiled import generated_code
 
 from liteinfer import LLM, SamplingParams, kernels
@@ -57,14 +56,6 @@ def test_int8_pools_on_the_gathered_path_depart_from_plain_ones_at_near_ties_onl
     llm = LLM(dtype="float32", kv_cache_dtype="int8", **SMALL)
     assert not llm.engine.runner.model.model.layers[0].self_attn.attn._kernels_take_pools()
     assert_departs_at_near_ties_only(llm, reference, reference_tokens, conversations)
-
-
-@pytest.fixture(scope="module")
-def tiny_heads_64(tmp_path_factory, smollm2_tokenizer):
-    """A tiny model with heads of 64, which the kernels take int8 pools for."""
-    directory = tmp_path_factory.mktemp("tiny-llama-heads-64")
-    make_tiny_llama(directory, smollm2_tokenizer, "gqa-untied", head_dim=64)
-    return directory
 
 
 def test_int8_pools_hold_nearly_twice_the_tokens(tiny_heads_64):

@@ -1,8 +1,10 @@
 """Prefix caching and chunked prefill change how much is computed per step, never the tokens."""
 
+from dataclasses import replace
+
 import pytest
 
-from liteinfer import LLM, SamplingParams
+from liteinfer import LLM, SamplingParams, kernels
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -108,6 +110,30 @@ def test_chunked_prefill_with_prefix_caching_and_preemption_same_greedy_tokens(t
     outs = llm.generate(PROMPTS, GREEDY)
     assert token_ids(outs) == plain
     assert sum(out.metrics.num_preemptions for out in outs) > 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_prompt_token_computed_alone_gives_the_whole_prompts_logprobs(tiny_heads_64, kv_cache_dtype):
+    """A prompt's last token computed on its own (a one-token chunk, a forked sample's tail) takes the prompt path as
+    the whole prompt does, not the decode kernel, which rounds otherwise (with int8 pools, the query to 8 bits): the
+    same log-probabilities to the bit, and a greedy n = 3 request's samples all alike."""
+    kernels.load()
+    if not kernels.prefill_available() or (kv_cache_dtype == "int8" and not kernels.int8_pools_available()):
+        pytest.skip("the same prompt path for a whole prompt and a token alone needs our prompt kernel (AVX-512)")
+    prompt = {"prompt_token_ids": list(range(100, 133))}  # two blocks of 16 and one token
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+
+    def samples(llm: LLM, n: int = 1) -> list[tuple[list[int], list[float]]]:
+        outputs = llm.generate(prompt, replace(params, n=n))[0].outputs
+        return [(out.token_ids, [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]) for out in outputs]
+
+    options = dict(dtype="float32", block_size=16, max_model_len=128, kv_cache_dtype=kv_cache_dtype)
+    whole = LLM(str(tiny_heads_64), enable_prefix_caching=False, enable_chunked_prefill=False, **options)
+    chunked = LLM(str(tiny_heads_64), enable_prefix_caching=False, max_num_batched_tokens=16,
+                  long_prefill_token_threshold=16, **options)  # chunks of 16, 16 and 1
+    expected = samples(whole)
+    assert samples(chunked) == expected
+    assert samples(whole, n=3) == expected * 3  # samples 1 and 2 compute the last token after the shared blocks
 
 
 def test_chunked_prefill_new_request_gets_first_token_before_long_prefill_ends(tiny_llama_dir):
