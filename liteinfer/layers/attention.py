@@ -9,14 +9,13 @@ The pools hold K/V in the model's dtype, or in bytes at a scale per row (`kv_cac
 read as they lie and the other paths dequantize after gathering.
 
 Decodes (one generated token per sequence) are batched into one call of a kernel that reads each sequence's blocks
-where they lie in the pool: on CPU ours in C++ (liteinfer.kernels), on CUDA ours in Triton (kernels/triton_attention.py)
-where Triton is installed; elsewhere, or where the C++ kernels could not be built, a grouped matmul over a gathered
-copy of the blocks. Spans (a prompt, a chunk of one, even a single prompt token, or tokens computed again after a
-preemption) are batched into one call of our prompt kernel on AVX-512
-CPUs (head sizes 64 and 128, no soft-capping; up to 1,024 keys unless it runs in AMX tiles) or of our Triton one on
-CUDA (blocks of 16 keys or more); otherwise each runs on its own through PyTorch's fused scaled-dot-product
-attention. Either way a long prefill never pads the decodes that share its step and never materialises its
-[queries, keys] score matrix.
+where they lie in the pool: on CPU ours in C++ (liteinfer.kernels), on CUDA ours in Triton
+(kernels/triton_attention.py) where Triton is installed; elsewhere, or where the C++ kernels could not be built, a
+grouped matmul over a gathered copy of the blocks. Spans (a prompt, a chunk of one, even a single prompt token, or
+tokens computed again after a preemption) are batched into one call of our prompt kernel on AVX-512 CPUs (head sizes
+64 and 128, no soft-capping; up to 1,024 keys unless it runs in AMX tiles) or of our Triton one on CUDA (blocks of
+16 keys or more); otherwise each runs on its own through PyTorch's fused scaled-dot-product attention. Either way a
+long prefill never pads the decodes that share its step and never materialises its [queries, keys] score matrix.
 """
 
 from __future__ import annotations
