@@ -11,6 +11,7 @@ from torch import nn
 
 from liteinfer.engine.compiled import CompiledDecoder
 from liteinfer.engine.scheduler import ScheduledBatch
+from liteinfer.engine.sequence import Sequence
 from liteinfer.engine.step_inputs import StepInputs
 from liteinfer.engine.workers import WorkerPool, run_step
 from liteinfer.layers import AttentionMetadata, PrefillSpan
@@ -37,8 +38,7 @@ class ModelRunner:
         A sequence samples when this step computes its last token (a prefill chunk that stops short of the end
         computes K/V only).
         """
-        order, input_ids, meta, last_token = self._prepare(batch)
-        sampling = [(i, last) for i, last in zip(order, last_token) if last >= 0]
+        input_ids, meta, sampling = self._prepare(batch)
         sample_rows = torch.tensor([row for _, row in sampling], dtype=torch.long, device=self.device)
         step = StepInputs(input_ids, meta, sample_rows)
         try:
@@ -58,21 +58,22 @@ class ModelRunner:
         rows = [SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator) for seq in seqs]
         return [i for i, _ in sampling], self.sampler(logits, rows)
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor, AttentionMetadata, list[int]]:
-        """Lay the step's tokens end to end, decodes first (attention batches them), then prompt spans.
+    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[tuple[int, int]]]:
+        """Lay the step's tokens end to end: generated tokens first, each a decode (attention batches them), then
+        each sequence's prompt tokens as one span.
 
-        A decode is one generated token. Prompt tokens go through the prompt path even one at a time (the last token
-        of a cached or forked prompt, a one-token chunk): the decode kernel rounds otherwise (with int8 pools it also
-        rounds the query to 8 bits), so a prompt's logits would depend on how it was split, and a greedy n > 1
-        request's forked samples could depart from its first.
+        A token takes the path of what it is, whatever the step's shape, because the two attention kernels round
+        otherwise (with int8 pools the decode kernel also rounds the query to 8 bits) and a sequence's logits must
+        not depend on how its steps were cut. Prompt tokens form a span even one at a time (the last token of a
+        cached or forked prompt, a one-token chunk): else a greedy n > 1 request's forked samples could depart from
+        its first. Generated tokens are decodes even when computed again after a preemption, several of one
+        sequence in a step, each reading the keys up to its own position (this step writes them before attention
+        reads): else the preempted sequence would continue from other K/V than it had.
 
-        Returns the batch order used, input ids, the attention metadata (positions included), and for each sequence (in
-        that order) the row of its last token if it samples this step, else -1.
+        Returns the input ids, the attention metadata (positions included), and (batch position, row of its last
+        token) of each sequence that samples this step, in row order.
         """
         device, block_size = self.device, self.block_size
-        decodes = [count == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
-                   for seq, count in zip(batch.seqs, batch.num_new_tokens)]
-        order = sorted(range(len(batch.seqs)), key=lambda i: not decodes[i])
         # Built as Python lists, turned into tensors once: each torch op on a tiny tensor costs microseconds, several
         # times more with the caches cold after a forward pass, and a decode step of one sequence is milliseconds.
         # The Python work is per sequence, and per block (not per token) for the slots.
@@ -80,22 +81,37 @@ class ModelRunner:
         positions: list[int] = []
         slot_blocks: list[int] = []
         slot_offsets: list[int] = []
-        last_token: list[int] = []
         decode_tables: list[list[int]] = []
         prefills: list[PrefillSpan] = []
-        for i in order:
-            seq, count = batch.seqs[i], batch.num_new_tokens[i]
-            start, end, row = seq.num_computed_tokens, seq.num_computed_tokens + count, len(tokens)
-            tokens += seq.token_ids[start:end]
-            positions += range(start, end)
+        sampling: list[tuple[int, int]] = []
+
+        def lay(seq: Sequence, start: int, end: int) -> int:
+            """Append the rows of positions [start, end) of `seq`; returns the first one's row."""
+            row = len(tokens)
+            tokens.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
             blocks, offsets = cache_slots(seq.block_table, start, end, block_size)
-            slot_blocks += blocks
-            slot_offsets += offsets
-            last_token.append(row + count - 1 if end == seq.num_tokens else -1)
-            if decodes[i]:
-                decode_tables.append(seq.block_table)
-            else:
-                prefills.append(PrefillSpan(row, row + count, seq.block_table, end))
+            slot_blocks.extend(blocks)
+            slot_offsets.extend(offsets)
+            return row
+
+        spans = []  # laid after every decode
+        for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + count
+            split = min(max(seq.num_prompt_tokens, start), end)  # [start, split) are prompt tokens, the rest generated
+            samples = end == seq.num_tokens
+            if split < end:
+                row = lay(seq, split, end)
+                decode_tables.extend([seq.block_table] * (end - split))
+                if samples:
+                    sampling.append((i, row + end - split - 1))
+            if start < split:
+                spans.append((i, seq, start, split, samples and split == end))
+        for i, seq, start, split, samples in spans:
+            row = lay(seq, start, split)
+            prefills.append(PrefillSpan(row, row + split - start, seq.block_table, split))
+            if samples:
+                sampling.append((i, row + split - start - 1))
         # Padding is block 0, masked out by position.
         width = max(map(len, decode_tables), default=0)
         padded = [table + [0] * (width - len(table)) for table in decode_tables]
@@ -106,7 +122,7 @@ class ModelRunner:
             decode_block_tables=torch.tensor(padded, dtype=torch.long, device=device).view(len(padded), width),
             prefills=prefills,
         )
-        return order, torch.tensor(tokens, dtype=torch.long, device=device), meta, last_token
+        return torch.tensor(tokens, dtype=torch.long, device=device), meta, sampling
 
 
 def cache_slots(block_table: list[int], start: int, end: int, block_size: int) -> tuple[list[int], list[int]]:

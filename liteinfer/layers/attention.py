@@ -8,11 +8,12 @@ at positions up to its own (and within the sliding window, for layers that have 
 The pools hold K/V in the model's dtype, or in bytes at a scale per row (`kv_cache_dtype="int8"`), which the kernels
 read as they lie and the other paths dequantize after gathering.
 
-Decodes (one generated token per sequence) are batched into one call of a kernel that reads each sequence's blocks
+Decodes (generated tokens: one per sequence, or several of one sequence that computes them again after a preemption,
+each reading the keys up to its own position) are batched into one call of a kernel that reads each sequence's blocks
 where they lie in the pool: on CPU ours in C++ (liteinfer.kernels), on CUDA ours in Triton
 (kernels/triton_attention.py) where Triton is installed; elsewhere, or where the C++ kernels could not be built, a
 grouped matmul over a gathered copy of the blocks. Spans (a prompt, a chunk of one, even a single prompt token, or
-tokens computed again after a preemption) are batched into one call of our prompt kernel on AVX-512 CPUs (head sizes
+a prompt computed again after a preemption) are batched into one call of our prompt kernel on AVX-512 CPUs (head sizes
 64 and 128, no soft-capping; up to 1,024 keys unless it runs in AMX tiles) or of our Triton one on CUDA (blocks of
 16 keys or more); otherwise each runs on its own through PyTorch's fused scaled-dot-product attention. Either way a
 long prefill never pads the decodes that share its step and never materialises its [queries, keys] score matrix.
@@ -56,7 +57,8 @@ class PrefillSpan:
 class AttentionMetadata:
     """Per-step tensors shared by every attention layer (built once per step by the model runner).
 
-    The packed batch holds the decodes first (`num_decodes` tokens, one per sequence), then the prefill spans.
+    The packed batch holds the decodes first (`num_decodes` generated tokens, each with its block table), then the
+    prefill spans.
     """
 
     slot_blocks: torch.Tensor  # [T] the pool block that holds each new token's K/V
@@ -210,7 +212,7 @@ class PagedAttention(nn.Module):
         )
 
     def _attend_decodes(self, q: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence, q: [D, heads, dim] -> [D, heads * dim]."""
+        """Generated tokens, each against its keys up to its position, q: [D, heads, dim] -> [D, heads * dim]."""
         if q.is_cpu and kernels.available() and self._kernels_take_pools():
             out = torch.ops.liteinfer.paged_decode_attention(
                 q, self.k_cache, self.v_cache, block_tables, positions, self.scale, self.sliding_window or 0,

@@ -136,6 +136,32 @@ def test_a_prompt_token_computed_alone_gives_the_whole_prompts_logprobs(tiny_hea
     assert samples(whole, n=3) == expected * 3  # samples 1 and 2 compute the last token after the shared blocks
 
 
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_preempted_sequence_computes_its_generated_tokens_again_as_decodes(tiny_heads_64, kv_cache_dtype):
+    """After a preemption, a sequence's generated tokens are computed again as the decodes they first were (several
+    of one sequence in one step), not in its prompt's span, whose kernel rounds otherwise (with int8 pools the decode
+    kernel rounds the query to 8 bits): the same log-probabilities to the bit as in a pool that never runs out."""
+    kernels.load()
+    if not kernels.available() or (kv_cache_dtype == "int8" and not kernels.int8_pools_available()):
+        pytest.skip("decodes that do not depend on the rows beside them need our decode kernel")
+    prompts = [{"prompt_token_ids": list(range(first, first + 33))} for first in (100, 200)]  # 3 blocks each
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
+    options = dict(dtype="float32", block_size=16, max_model_len=80, kv_cache_dtype=kv_cache_dtype,
+                   enable_prefix_caching=False)
+
+    def logprobs(outputs) -> list[list[float]]:
+        return [[step[t].logprob for step, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+                for out in outputs]
+
+    roomy = LLM(str(tiny_heads_64), num_kv_blocks=64, **options)
+    # 7 blocks: both prompts start (3 + 3), then at position 48 the first takes the last block and the second,
+    # with 15 tokens generated, is preempted; it computes its 33 + 15 tokens again once the first has finished.
+    tight = LLM(str(tiny_heads_64), num_kv_blocks=7, **options)
+    outputs = tight.generate(prompts, params)
+    assert [out.metrics.num_preemptions for out in outputs] == [0, 1]
+    assert logprobs(outputs) == logprobs(roomy.generate(prompts, params))
+
 def test_chunked_prefill_new_request_gets_first_token_before_long_prefill_ends(tiny_llama_dir):
     llm = make_llm(tiny_llama_dir, enable_prefix_caching=False, max_num_batched_tokens=32)
     engine = llm.engine
