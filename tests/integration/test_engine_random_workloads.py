@@ -2,15 +2,16 @@
 
 Whatever the pool size, the scheduler, prefix caching and chunking, with samples of n > 1 requests forked off their
 first one, stop strings and an abort mixed in: every request ends, every block comes back, and each sample of a
-greedy or seeded request has the plain engine's tokens and text, with plain K/V pools and with int8 ones. (Such a
-run found the engine looping for ever on a tight pool with n > 1 requests, 2026-12-05.)
+greedy or seeded request has the plain engine's tokens and text, with plain K/V pools and with int8 ones, and where
+our kernels compute every row (heads of 64) its log-probabilities to the bit. (Such runs found the engine looping for
+ever on a tight pool with n > 1 requests, and a preempted sequence going on from other K/V than it had, 2026-12-05.)
 """
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from liteinfer import LLM, SamplingParams
+from liteinfer import LLM, SamplingParams, kernels
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -40,20 +41,26 @@ request_specs = st.lists(
 )
 
 
-@pytest.fixture(scope="module", params=["plain pools", "int8 pools"])
-def model(request, tiny_llama_dir, tiny_heads_64) -> tuple[str, dict]:
-    """(directory, engine options): the tiny Llama, and one with heads of 64 and int8 K/V pools, which our kernels
-    read where the CPU has AVX-512 VNNI (there a prompt token computed alone once took the decode kernel, whose
-    8-bit query gave forked samples and chunked prompts other logits, 2026-12-05)."""
-    if request.param == "plain pools":
-        return str(tiny_llama_dir), {}
-    return str(tiny_heads_64), {"kv_cache_dtype": "int8"}
+@pytest.fixture(scope="module", params=["heads of 16", "heads of 64", "heads of 64, int8 pools"])
+def model(request, tiny_llama_dir, tiny_heads_64) -> tuple[str, dict, bool]:
+    """(directory, engine options, whether log-probabilities must be equal to the bit). The tiny Llama's heads of 16
+    take PyTorch's SDPA for prompts, whose path for a chunk after cached keys rounds otherwise than a whole prompt's:
+    tokens only. Heads of 64 take our kernels where the CPU has AVX-512 (int8 pools: VNNI, their decode kernel
+    rounding the query to 8 bits, so that a token on the other path shows), and each token takes the path of what it
+    is whatever the step's shape: the same bits."""
+    kernels.load()
+    if request.param == "heads of 16":
+        return str(tiny_llama_dir), {}, False
+    if request.param == "heads of 64":
+        return str(tiny_heads_64), {}, kernels.prefill_available()
+    int8_kernels = kernels.prefill_available() and kernels.int8_pools_available()
+    return str(tiny_heads_64), {"kv_cache_dtype": "int8"}, int8_kernels
 
 
 @pytest.fixture(scope="module")
 def plain(model) -> LLM:
     """Every request at once in a pool for all of them: nothing preempted, chunked or cached."""
-    directory, options = model
+    directory, options, _ = model
     return LLM(directory, dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=512,
                max_num_batched_tokens=4096, enable_chunked_prefill=False, enable_prefix_caching=False, **options)
 
@@ -83,12 +90,12 @@ def run(llm: LLM, requests: dict, abort: tuple[str, int] | None = None) -> dict:
 def test_random_engine_config_and_requests_give_the_plain_engines_samples(
     model, plain, config, specs, prefix, tokens, abort_at
 ):
-    directory, options = model
+    directory, options, bitwise = model
     llm = LLM(directory, dtype="float32", max_model_len=MAX_MODEL_LEN, **config, **options)
     requests = {}
     for i, (length, shared, max_tokens, n, seeded, stop) in enumerate(specs):
         ids = (prefix if shared else []) + [tokens.randrange(10, 5000) for _ in range(length)]
-        params = SamplingParams(max_tokens=max_tokens, n=n, stop=stop, ignore_eos=True,
+        params = SamplingParams(max_tokens=max_tokens, n=n, stop=stop, ignore_eos=True, logprobs=0,
                                 **({"temperature": 0.8, "top_p": 0.9, "seed": i} if seeded else {"temperature": 0}))
         requests[f"r{i}"] = ({"prompt_token_ids": ids}, params)
     abort = None if abort_at is None or abort_at[0] >= len(specs) else (f"r{abort_at[0]}", abort_at[1])
@@ -102,3 +109,9 @@ def test_random_engine_config_and_requests_give_the_plain_engines_samples(
         got = outputs[request_id]
         assert [(s.token_ids, s.text, s.finish_reason) for s in got.outputs] == [
             (s.token_ids, s.text, s.finish_reason) for s in want.outputs], request_id
+        if bitwise:
+            assert sampled_logprobs(got) == sampled_logprobs(want), request_id
+
+
+def sampled_logprobs(output) -> list[list[float]]:
+    return [[step[t].logprob for step, t in zip(sample.logprobs, sample.token_ids)] for sample in output.outputs]
