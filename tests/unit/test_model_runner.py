@@ -1,7 +1,11 @@
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from liteinfer.engine.model_runner import cache_slots
+from liteinfer import SamplingParams
+from liteinfer.engine.model_runner import ModelRunner, cache_slots
+from liteinfer.engine.scheduler import ScheduledBatch
+from liteinfer.engine.sequence import Sequence
 
 
 @given(
@@ -15,3 +19,35 @@ def test_cache_slots_are_each_positions_block_and_offset(block_size, table, data
     blocks, offsets = cache_slots(table, start, end, block_size)
     assert blocks == [table[pos // block_size] for pos in range(start, end)]
     assert offsets == [pos % block_size for pos in range(start, end)]
+
+
+def sequence(num_prompt: int, num_output: int, num_computed: int, table: list[int]) -> Sequence:
+    seq = Sequence("r", 0, list(range(100, 100 + num_prompt + num_output)), num_prompt, SamplingParams(), 16,
+                   detokenizer=None)
+    seq.num_computed_tokens, seq.block_table = num_computed, table
+    return seq
+
+
+def test_each_token_takes_the_path_of_what_it_is_whatever_the_steps_shape():
+    """Generated tokens are decodes, laid first (several of one sequence computed again after a preemption, each at
+    its own position); prompt tokens are spans, even one alone; a sequence samples from the row of its last token."""
+    decoding = sequence(num_prompt=5, num_output=3, num_computed=7, table=[10, 11])
+    recomputing = sequence(num_prompt=6, num_output=3, num_computed=0, table=[20, 21, 22])  # preempted
+    chunk = sequence(num_prompt=9, num_output=0, num_computed=4, table=[30, 31, 32])  # a middle chunk: no sample
+    last_prompt_token = sequence(num_prompt=5, num_output=0, num_computed=4, table=[40, 41])  # a fork's tail
+    batch = ScheduledBatch()
+    for seq, count in [(decoding, 1), (recomputing, 9), (chunk, 3), (last_prompt_token, 1)]:
+        batch.add(seq, count)
+    runner = ModelRunner(model=None, sampler=None, block_size=4, device=torch.device("cpu"))
+
+    input_ids, meta, sampling = runner._prepare(batch)
+
+    assert meta.positions.tolist() == [7, 6, 7, 8, 0, 1, 2, 3, 4, 5, 4, 5, 6, 4]
+    assert input_ids.tolist() == [100 + p for p in meta.positions.tolist()]
+    assert meta.num_decodes == 4
+    assert meta.decode_block_tables.tolist() == [[10, 11, 0], [20, 21, 22], [20, 21, 22], [20, 21, 22]]
+    assert [(s.start, s.end, s.block_table, s.num_keys) for s in meta.prefills] == [
+        (4, 10, [20, 21, 22], 6), (10, 13, [30, 31, 32], 7), (13, 14, [40, 41], 5)]
+    assert meta.slot_blocks.tolist() == [11, 21, 21, 22, 20, 20, 20, 20, 21, 21, 31, 31, 31, 41]
+    assert meta.slot_offsets.tolist() == [3, 2, 3, 0, 0, 1, 2, 3, 0, 1, 0, 1, 2, 0]
+    assert sampling == [(0, 0), (1, 3), (3, 13)]  # (batch position, row), in row order
