@@ -26,6 +26,11 @@ def token_ids(outputs) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in outputs]
 
 
+def sampled_logprobs(sample) -> list[float]:
+    """The log-probability of each token a sample (a CompletionOutput) drew."""
+    return [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
+
+
 @pytest.fixture(scope="module")
 def plain(tiny_llama):
     """The plain path: no prefix caching, no chunking, each prompt computed in one step."""
@@ -125,7 +130,7 @@ def test_a_prompt_token_computed_alone_gives_the_whole_prompts_logprobs(tiny_hea
 
     def samples(llm: LLM, n: int = 1) -> list[tuple[list[int], list[float]]]:
         outputs = llm.generate(prompt, replace(params, n=n))[0].outputs
-        return [(out.token_ids, [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]) for out in outputs]
+        return [(out.token_ids, sampled_logprobs(out)) for out in outputs]
 
     options = dict(dtype="float32", block_size=16, max_model_len=128, kv_cache_dtype=kv_cache_dtype)
     whole = LLM(str(tiny_heads_64), enable_prefix_caching=False, enable_chunked_prefill=False, **options)
@@ -134,7 +139,6 @@ def test_a_prompt_token_computed_alone_gives_the_whole_prompts_logprobs(tiny_hea
     expected = samples(whole)
     assert samples(chunked) == expected
     assert samples(whole, n=3) == expected * 3  # samples 1 and 2 compute the last token after the shared blocks
-
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
@@ -151,8 +155,7 @@ def test_a_preempted_sequence_computes_its_generated_tokens_again_as_decodes(tin
                    enable_prefix_caching=False)
 
     def logprobs(outputs) -> list[list[float]]:
-        return [[step[t].logprob for step, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
-                for out in outputs]
+        return [sampled_logprobs(out.outputs[0]) for out in outputs]
 
     roomy = LLM(str(tiny_heads_64), num_kv_blocks=64, **options)
     # 7 blocks: both prompts start (3 + 3), then at position 48 the first takes the last block and the second,
@@ -161,6 +164,7 @@ def test_a_preempted_sequence_computes_its_generated_tokens_again_as_decodes(tin
     outputs = tight.generate(prompts, params)
     assert [out.metrics.num_preemptions for out in outputs] == [0, 1]
     assert logprobs(outputs) == logprobs(roomy.generate(prompts, params))
+
 
 def test_chunked_prefill_new_request_gets_first_token_before_long_prefill_ends(tiny_llama_dir):
     llm = make_llm(tiny_llama_dir, enable_prefix_caching=False, max_num_batched_tokens=32)
