@@ -10,6 +10,7 @@ import transformers
 from liteinfer import LLM, SamplingParams
 from liteinfer.engine.scheduler import ScheduledBatch
 from liteinfer.engine.sequence import Sequence
+from liteinfer.layers import FULL, SLIDING
 
 NUM_NEW = 48  # greedy tokens compared with transformers
 BLOCK_SIZE = 16  # the engine default
@@ -133,3 +134,108 @@ def make_tiny_model(directory, tokenizer, variant: Variant, seed: int = 0):
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return model
+
+
+WINDOW = 16  # smaller than the longer prompts, and than every prompt plus its NUM_NEW tokens
+# Longer than Phi-3 long-rope's original context (32 tokens) below; 47 and 49 tokens.
+LONG_PROMPTS = [
+    PROMPTS[3],
+    PROMPTS[2] + " and an oozy smell, nor yet a dry, bare, sandy hole with nothing in it to sit down on",
+]
+
+
+def rope_factors(step: float) -> list[float]:
+    return [1.0 + step * i for i in range(8)]  # head_dim 16: one factor per rotated pair
+
+
+# Every supported family other than Llama, with every feature the family has switched on (tests/integration/
+# test_model_families.py checks each against transformers).
+FAMILY_VARIANTS = {
+    "qwen2": Variant(
+        "Qwen2ForCausalLM",
+        "Qwen2Config",
+        # q/k/v biases always; layer 1 slides (layers from max_window_layers on do); tied head like Qwen2.5-0.5B.
+        dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, tie_word_embeddings=True),
+    ),
+    "qwen3": Variant(
+        "Qwen3ForCausalLM",
+        "Qwen3Config",
+        # head_dim 32 while hidden_size / heads is 16; attention_bias puts biases on q/k/v/o too.
+        dict(
+            head_dim=32,
+            attention_bias=True,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=1,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mistral": Variant(
+        "MistralForCausalLM", "MistralConfig", dict(head_dim=16, sliding_window=WINDOW, tie_word_embeddings=False)
+    ),
+    "gemma2": Variant(
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        # Caps low enough to bite; query_pre_attn_scalar unlike head_dim so that the scale shows.
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=10.0,
+            sliding_window=WINDOW,
+            layer_types=[SLIDING, FULL],
+            tie_word_embeddings=True,
+        ),
+    ),
+    "gemma3": Variant(
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=3,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=10.0,
+            sliding_window=WINDOW,
+            layer_types=[SLIDING, SLIDING, FULL],
+            # Local layers rotate at their own base; global ones with linear scaling, as the larger Gemma 3s do.
+            rope_parameters={
+                SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                FULL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+            },
+            tie_word_embeddings=False,
+        ),
+    ),
+    # Long-rope both ways (see layers/rotary.py): a context within the original one rotates with the short
+    # factors, a longer one with the long factors, which transformers uses for prompts longer than the original.
+    "phi3-short": Variant(
+        "Phi3ForCausalLM",
+        "Phi3Config",
+        dict(
+            original_max_position_embeddings=512,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": rope_factors(0.1),
+                "long_factor": rope_factors(0.5),
+                "attention_factor": 1.2,
+            },
+            sliding_window=WINDOW,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "phi3-long": Variant(
+        "Phi3ForCausalLM",
+        "Phi3Config",
+        dict(
+            original_max_position_embeddings=32,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": rope_factors(0.1),
+                "long_factor": rope_factors(0.5),
+            },
+            tie_word_embeddings=False,
+        ),
+        LONG_PROMPTS,
+    ),
+}

@@ -7,6 +7,7 @@ from unittest import mock
 import pytest
 import torch
 from conftest import make_tiny_llama
+from parity import FAMILY_VARIANTS, make_tiny_model
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 from torch._inductor.graph import GraphLowering
@@ -72,6 +73,24 @@ def test_compiled_decode_gives_eager_greedy_tokens(compiled, eager, monkeypatch)
     assert preemptions, "the small pool was meant to force preemption"
     assert 1 in batches and max(batches) > 1  # both graphs served decode steps
     assert llm.engine.stats().prefix_cache_hit_tokens > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", "phi3-long"])
+def test_other_families_decode_graphs_give_the_eager_greedy_tokens(family, tmp_path, smollm2_tokenizer, monkeypatch):
+    """Families with what the tiny Llama lacks trace as one graph and compute as eager does: Gemma 3 (q/k norms,
+    sliding and global layers rotating at bases of their own, soft-capped logits, norms after each block) and Phi-3
+    (fused q/k/v and gate/up weights, long-rope past its original context)."""
+    variant = FAMILY_VARIANTS[family]
+    make_tiny_model(tmp_path, smollm2_tokenizer, variant)
+    options = dict(dtype="float32", num_kv_blocks=64, max_model_len=256)
+    llm, eager = LLM(str(tmp_path), enforce_eager=False, **options), LLM(str(tmp_path), **options)
+    batches = []
+    call = CompiledDecoder.__call__
+    monkeypatch.setattr(CompiledDecoder, "__call__", lambda self, step: batches.append(len(step.input_ids))
+                        or call(self, step))
+    assert token_ids(llm.generate(variant.prompts, GREEDY)) == token_ids(eager.generate(variant.prompts, GREEDY))
+    assert max(batches) == len(variant.prompts)  # the batched graph served decode steps
 
 
 def test_graphs_are_compiled_at_start_up_only(compiled):
