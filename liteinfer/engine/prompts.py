@@ -93,7 +93,7 @@ def render_chat(
     if add_generation_prompt and continue_final_message:
         raise ValueError("continue_final_message leaves the last message open, add_generation_prompt opens a new "
                          "one: set only one of them")
-    variables = chat_template_kwargs or {}
+    variables = {} if chat_template_kwargs is None else chat_template_kwargs
     if not isinstance(variables, dict) or not all(isinstance(name, str) for name in variables):
         raise ValueError(f"chat_template_kwargs maps the template's variables by name, got {variables!r:.80}")
     if variables:  # (the signature is read only for a request that sets some)

@@ -55,6 +55,7 @@ def test_chat_template_kwargs_are_the_templates_variables(templated):
      "chat_template_kwargs may not set add_generation_prompt, continue_final_message"),
     ({"messages": []}, "chat_template_kwargs may not set messages"),
     (["enable_thinking"], "chat_template_kwargs maps the template's variables by name"),
+    ([], "chat_template_kwargs maps the template's variables by name"),  # empty, still not a mapping
     ({1: True}, "chat_template_kwargs maps the template's variables by name"),
 ])
 def test_chat_template_kwargs_that_are_not_template_variables_raise(templated, variables, match):
