@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2 files, and tiny random-weight Llama models saved the Hugging Face way."""
+"""Shared fixtures: the real SmolLM2 files, and tiny random-weight Llama models saved the Hugging Face way; and what
+tests compare engines' samples by."""
 
 import importlib.util
 import os
@@ -125,3 +126,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def sampled_logprobs(sample) -> list[float]:
+    """The log-probability of each token a sample (a CompletionOutput) drew: what two engines that compute alike
+    give to the bit."""
+    return [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]

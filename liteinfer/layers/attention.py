@@ -41,7 +41,8 @@ PROMPT_KERNEL_MAX_KEYS = 1024  # see PagedAttention._prompt_kernel_takes
 
 @dataclass
 class PrefillSpan:
-    """A sequence computing a span of tokens this step: prompt tokens (one or more), or tokens computed again."""
+    """A sequence computing a span of its prompt tokens this step: one or more (a whole prompt, a chunk, its last
+    token alone, a prompt computed again after a preemption)."""
 
     start: int  # its tokens' range [start, end) in the packed batch
     end: int

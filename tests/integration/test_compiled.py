@@ -57,12 +57,19 @@ def token_ids(outputs) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in outputs]
 
 
-def test_compiled_decode_gives_eager_greedy_tokens(compiled, eager, monkeypatch):
-    llm, _ = compiled
-    batches, preemptions = [], []
-    call, preempt = CompiledDecoder.__call__, Scheduler.preempt
+def graph_batches(monkeypatch) -> list[int]:
+    """The batch size of each step the compiled graphs run from now on (filled in as they run)."""
+    batches = []
+    call = CompiledDecoder.__call__
     monkeypatch.setattr(CompiledDecoder, "__call__", lambda self, step: batches.append(len(step.input_ids))
                         or call(self, step))
+    return batches
+
+
+def test_compiled_decode_gives_eager_greedy_tokens(compiled, eager, monkeypatch):
+    llm, _ = compiled
+    batches, preemptions = graph_batches(monkeypatch), []
+    preempt = Scheduler.preempt
     monkeypatch.setattr(Scheduler, "preempt", lambda self, seq: preemptions.append(seq) or preempt(self, seq))
 
     for _ in range(2):  # the second pass finds the shared prefixes cached
@@ -85,10 +92,7 @@ def test_other_families_decode_graphs_give_the_eager_greedy_tokens(family, tmp_p
     make_tiny_model(tmp_path, smollm2_tokenizer, variant)
     options = dict(dtype="float32", num_kv_blocks=64, max_model_len=256)
     llm, eager = LLM(str(tmp_path), enforce_eager=False, **options), LLM(str(tmp_path), **options)
-    batches = []
-    call = CompiledDecoder.__call__
-    monkeypatch.setattr(CompiledDecoder, "__call__", lambda self, step: batches.append(len(step.input_ids))
-                        or call(self, step))
+    batches = graph_batches(monkeypatch)
     assert token_ids(llm.generate(variant.prompts, GREEDY)) == token_ids(eager.generate(variant.prompts, GREEDY))
     assert max(batches) == len(variant.prompts)  # the batched graph served decode steps
 

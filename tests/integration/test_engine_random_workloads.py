@@ -8,6 +8,7 @@ ever on a tight pool with n > 1 requests, and a preempted sequence going on from
 """
 
 import pytest
+from conftest import sampled_logprobs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -110,8 +111,4 @@ def test_random_engine_config_and_requests_give_the_plain_engines_samples(
         assert [(s.token_ids, s.text, s.finish_reason) for s in got.outputs] == [
             (s.token_ids, s.text, s.finish_reason) for s in want.outputs], request_id
         if bitwise:
-            assert sampled_logprobs(got) == sampled_logprobs(want), request_id
-
-
-def sampled_logprobs(output) -> list[list[float]]:
-    return [[step[t].logprob for step, t in zip(sample.logprobs, sample.token_ids)] for sample in output.outputs]
+            assert list(map(sampled_logprobs, got.outputs)) == list(map(sampled_logprobs, want.outputs)), request_id

@@ -3,6 +3,7 @@
 from dataclasses import replace
 
 import pytest
+from conftest import sampled_logprobs
 
 from liteinfer import LLM, SamplingParams, kernels
 
@@ -24,11 +25,6 @@ def make_llm(directory, **options) -> LLM:
 
 def token_ids(outputs) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in outputs]
-
-
-def sampled_logprobs(sample) -> list[float]:
-    """The log-probability of each token a sample (a CompletionOutput) drew."""
-    return [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
 
 
 @pytest.fixture(scope="module")
