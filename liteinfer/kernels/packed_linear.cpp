@@ -7,8 +7,10 @@
 // A step of a block is one 64-byte load holding 16 outputs' weights for one input (pair): multiplied by that input
 // of every row, broadcast, it adds into 16 outputs at once, with no sum across a register at the end. A tile keeps
 // ROWS rows by one group (up to 48 outputs) of fp32 sums in registers and reads the group front to back, one
-// sequential stream; every tile of rows re-reads the group from L2, while the thread's next group is prefetched
-// into L2 over the tiles before the last, so that W comes from DRAM once per call, overlapped with the arithmetic.
+// sequential stream, while the thread's next lines of W are prefetched into L2, so that W comes from DRAM once per
+// call, overlapped with the arithmetic: on AVX-512 a few tiles of rows take the group in passes of 64 steps, each
+// pass through every tile (its W then in L1), more tiles each take the whole group (re-read from L2); on AVX2 each
+// tile takes the whole group.
 // Threads share W's groups, or from SHARE_ROWS_FROM rows a thread on x's rows (each then reads all of W). The same
 // loops serve torch.ops.liteinfer.packed_gated_linear: a gated MLP's gate/up W packed in halves, act(gate) * up made
 // from each tile's sums before they leave the core (group_outputs).
@@ -190,22 +192,77 @@ void amx_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat1
 }
 #endif
 
+#if defined(LITEINFER_PACKED_AVX512)
+using liteinfer::packed::PAIR, liteinfer::packed::TileOutputs, liteinfer::packed::TileRange,
+    liteinfer::packed::TileSums, liteinfer::packed::tile_fn;
+
+// From 2 to PASS_TILES tiles of rows (9 to 64 rows) a group is taken PASS_STEPS steps at a time, each pass through
+// every tile before the next: the pass's W (64 steps x three blocks x 64 bytes: 12 KB) comes from DRAM once and from
+// L1 for the tiles after the first, while the next pass's lines are requested into L2, a line a step of each tile.
+// Each tile taking the whole group instead (re-reading it from L2, the thread's next group requested meanwhile), W's
+// stream and the arithmetic hardly overlapped: on the Intel Xeon SmolLM2's fp32 linears took 0.77x that time at 16
+// rows and 0.88x at 32 in passes (docs/benchmarks.md). Past 64 rows a pass's W, x (64 steps of every row) and the
+// tiles' running sums outgrow L1's 48 KB, and passes lost 4-5% at 128 and 512 rows; a lone tile has nothing to share.
+constexpr int64_t PASS_STEPS = 64, PASS_TILES = 8;
+
+// y[rows, 16 * nb outputs] = x[rows] . the group of nb blocks at `w` (+ b), in passes as above or each tile over
+// every step; `next` is the group the thread reads after this one (nullptr: none), whose first lines are requested
+// by the last pass. A row's sums are the same operations in the same order either way (tile_steps).
+template <typename T>
+void group_in_passes(const T* x, int64_t k, const T* w, int64_t nb, const T* next, int64_t rows, const T* bias, T* y,
+                     int64_t n, TileSums* sums) {
+  const int64_t steps = k / PAIR<T>, step_size = nb * 16 * PAIR<T>, num_tiles = (rows + ROWS - 1) / ROWS;
+  const int64_t pass_steps = num_tiles > 1 && num_tiles <= PASS_TILES ? PASS_STEPS : steps;
+  for (int64_t s0 = 0; s0 < steps; s0 += pass_steps) {
+    const int64_t s1 = std::min(steps, s0 + pass_steps);
+    // A step is nb lines; the group after this one has at most nb blocks.
+    const T* ahead = s1 < steps ? w + s1 * step_size : next;
+    const int64_t ahead_lines = ahead ? std::min(pass_steps, s1 < steps ? steps - s1 : steps) * nb : 0;
+    for (int64_t t = 0; t < num_tiles; ++t) {
+      const int64_t asked = t * (s1 - s0);  // the lines the tiles before this one asked for
+      const Prefetch prefetch = asked < ahead_lines
+                                    ? Prefetch{reinterpret_cast<const char*>(ahead) + asked * LINE, ahead_lines - asked}
+                                    : Prefetch{nullptr, 0};
+      tile_fn<TileRange, T>(nb, std::min<int64_t>(ROWS, rows - t * ROWS))(x + t * ROWS * k, k, w, s0, s1, sums[t],
+                                                                          prefetch);
+    }
+  }
+  for (int64_t t = 0; t < num_tiles; ++t)
+    tile_fn<TileOutputs, T>(nb, std::min<int64_t>(ROWS, rows - t * ROWS))(sums[t], bias, y + t * ROWS * n, n);
+}
+#endif
+
 template <typename T>
 void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t k, const Outputs& outputs) {
   const int64_t block_size = k * 16, blocks = outputs.half_blocks;  // elements per block; blocks of W or of a half
-  const int64_t lines_per_block = block_size * static_cast<int64_t>(sizeof(T)) / LINE;
   const int64_t groups = (blocks + BLOCKS - 1) / BLOCKS;
   // A thread's rows an M block at a time, each block over the thread's groups: one stream through its part of W.
   share_out(m, groups, ROWS, [&](const Share& share) {
-    alignas(64) T scratch[ROWS * 2 * GROUP_OUTPUTS];
+    alignas(64) T scratch[M_BLOCK * 2 * GROUP_OUTPUTS];
     const int64_t begin = share.group_begin, end = share.group_end;
     for (int64_t m0 = share.row_begin; m0 < share.row_end; m0 += M_BLOCK) {
-      const int64_t m_end = std::min(share.row_end, m0 + M_BLOCK), num_tiles = (m_end - m0 + ROWS - 1) / ROWS;
+      const int64_t m_end = std::min(share.row_end, m0 + M_BLOCK);
+#if defined(LITEINFER_PACKED_AVX512)
+      TileSums sums[M_BLOCK / ROWS];
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t b0 = g * BLOCKS, nb = std::min(BLOCKS, blocks - b0);
+        group_outputs(outputs, b0, nb, m_end - m0, y + m0 * outputs.n_out, scratch, [&](int64_t first, T* out,
+                                                                                          int64_t stride) {
+          // The thread reads gate's half of a group, then up's, then the next group's gate (gated); or the groups
+          // in order.
+          const int64_t after = outputs.act != Act::kNone && first < blocks ? first + blocks
+                                : g + 1 < end                               ? b0 + nb
+                                                                            : -1;
+          group_in_passes(x + m0 * k, k, w + first * block_size, nb, after >= 0 ? w + after * block_size : nullptr,
+                          m_end - m0, bias ? bias + first * 16 : nullptr, out, stride, sums);
+        });
+      }
+#else  // LITEINFER_PACKED_AVX2
+      const int64_t lines_per_block = block_size * static_cast<int64_t>(sizeof(T)) / LINE;
+      const int64_t num_tiles = (m_end - m0 + ROWS - 1) / ROWS;
       int64_t g = begin;
-#if defined(LITEINFER_PACKED_AVX2)
-      // One row on AVX2: the share's whole groups cut into GROUPS equal parts, read side by side (a stream each,
-      // packed_tile.h: row_of_groups), then the groups a cut leaves over as below. (AVX-512 CPUs keep one stream:
-      // not measured there.)
+      // One row: the share's whole groups cut into GROUPS equal parts, read side by side (a stream each,
+      // packed_tile.h: row_of_groups), then the groups a cut leaves over as below.
       if (m == 1 && outputs.act == Act::kNone) {
         using liteinfer::packed::GROUPS;
         const int64_t whole = blocks / BLOCKS, part = std::max<int64_t>(0, std::min(end, whole) - begin) / GROUPS;
@@ -222,13 +279,11 @@ void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, 
         }
         g = begin + GROUPS * part;
       }
-#endif
       for (; g < end; ++g) {
         const int64_t b0 = g * BLOCKS, nb = std::min(BLOCKS, blocks - b0);
         // The thread's next group (gated: in the same half), a line per step of every tile but the last, tile t
         // from the t-th block's worth on: from four tiles (32 rows) up that covers the whole group. A lone tile asks
-        // for one block's worth on AVX-512 CPUs (its one pass; the hardware's prefetcher runs ahead of the rest)
-        // and for the whole group on AVX2 (a block's worth in each of its blocks' passes, packed_tile.h).
+        // for the whole group (a block's worth in each of its blocks' passes, packed_tile.h).
         const int64_t next_lines = g + 1 < end ? std::min(BLOCKS, blocks - b0 - nb) * lines_per_block : 0;
         for (int64_t t = 0; t < num_tiles; ++t) {
           const int64_t r0 = m0 + t * ROWS, line = t * lines_per_block, rows = std::min<int64_t>(ROWS, m_end - r0);
@@ -242,6 +297,7 @@ void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, 
           });
         }
       }
+#endif
     }
   });
 }

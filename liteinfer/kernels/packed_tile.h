@@ -80,26 +80,40 @@ void store_outputs(T* y, __m512 sum, const T* bias) {
   Arith<T>::store(y, bias ? _mm512_add_ps(sum, Arith<T>::widen(bias)) : sum);
 }
 
-// y[MT rows, 16 * NB outputs] = x[MT rows] . the group of NB blocks at `w` (+ b).
+// A tile's sums between the ranges of steps it is run over (tile_steps), for up to ROWS rows by BLOCKS blocks: the
+// running sums of the chunk a range stopped inside (raw, for the range that goes on from there) and the totals that
+// each finished chunk adds into.
+struct TileSums {
+  alignas(64) float running[ROWS][BLOCKS][16];
+  alignas(64) float total[ROWS][BLOCKS][16];
+};
+
+// Steps [s0, s1) of y[MT rows, 16 * NB outputs] = x[MT rows] . the group of NB blocks at `w`, into `sums` (s0 = 0
+// starts them afresh). Ranges run in order give the bits of one range over every step: a range that stops inside a
+// chunk leaves its running sums in `sums` as they are, for the next to take up.
 template <typename T, int MT, int NB>
-void tile(const T* x, int64_t k, const T* w, const T* bias, T* y, int64_t n, Prefetch prefetch) {
+void tile_steps(const T* x, int64_t k, const T* w, int64_t s0, int64_t s1, TileSums& sums, Prefetch prefetch) {
   using A = Arith<T>;
   const int64_t steps = k / A::pair;
-  // The sums run over `chunk` steps in registers, then add into `total`: two levels, so that rounding grows with
+  // The sums run over `chunk` steps in registers, then add into the totals: two levels, so that rounding grows with
   // chunk + steps / chunk rather than with every step (one running fp32 sum over 2,048 inputs erred ~5x more than
   // PyTorch's fp32 matmul, enough to move Gemma 3's fp32 logits past 1e-3 of transformers').
-  alignas(64) float total[MT][NB][16] = {};  // in L1, out of the registers the chunk's sums need
-  for (int64_t s0 = 0; s0 < steps; s0 += A::chunk) {
+  if (s0 == 0)
+    for (int m = 0; m < MT; ++m)
+      for (int b = 0; b < NB; ++b) _mm512_store_ps(sums.total[m][b], _mm512_setzero_ps());
+  for (int64_t c0 = s0; c0 < s1;) {
+    const int64_t chunk_end = (c0 / A::chunk + 1) * A::chunk, c1 = std::min(s1, chunk_end);
+    const bool fresh = c0 % A::chunk == 0;
     __m512 acc[MT][NB];
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 3
-      for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
-    for (int64_t s = s0; s < std::min(steps, s0 + A::chunk); ++s) {
+      for (int b = 0; b < NB; ++b) acc[m][b] = fresh ? _mm512_setzero_ps() : _mm512_load_ps(sums.running[m][b]);
+    for (int64_t s = c0; s < c1; ++s) {
       __m512 wv[NB];
 #pragma GCC unroll 3
       for (int b = 0; b < NB; ++b) wv[b] = A::load(w + (s * NB + b) * 16 * A::pair);
-      if (s < prefetch.lines) _mm_prefetch(prefetch.next + s * LINE, _MM_HINT_T1);
+      if (s - s0 < prefetch.lines) _mm_prefetch(prefetch.next + (s - s0) * LINE, _MM_HINT_T1);
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) {
         const __m512 xv = A::broadcast(x + m * k + s * A::pair);
@@ -107,16 +121,34 @@ void tile(const T* x, int64_t k, const T* w, const T* bias, T* y, int64_t n, Pre
         for (int b = 0; b < NB; ++b) acc[m][b] = A::fma(acc[m][b], wv[b], xv);
       }
     }
+    const bool finished = c1 == chunk_end || c1 == steps;
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 3
-      for (int b = 0; b < NB; ++b) _mm512_store_ps(total[m][b], _mm512_add_ps(_mm512_load_ps(total[m][b]), acc[m][b]));
+      for (int b = 0; b < NB; ++b) {
+        if (finished) _mm512_store_ps(sums.total[m][b], _mm512_add_ps(_mm512_load_ps(sums.total[m][b]), acc[m][b]));
+        else _mm512_store_ps(sums.running[m][b], acc[m][b]);
+      }
+    c0 = c1;
   }
+}
+
+// The tile's outputs from its totals (+ b), once every step has been run.
+template <typename T, int MT, int NB>
+void tile_outputs(const TileSums& sums, const T* bias, T* y, int64_t n) {
 #pragma GCC unroll 8
   for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 3
     for (int b = 0; b < NB; ++b)
-      store_outputs(y + m * n + b * 16, _mm512_load_ps(total[m][b]), bias ? bias + b * 16 : nullptr);
+      store_outputs(y + m * n + b * 16, _mm512_load_ps(sums.total[m][b]), bias ? bias + b * 16 : nullptr);
+}
+
+// y[MT rows, 16 * NB outputs] = x[MT rows] . the group of NB blocks at `w` (+ b), every step in one range.
+template <typename T, int MT, int NB>
+void tile(const T* x, int64_t k, const T* w, const T* bias, T* y, int64_t n, Prefetch prefetch) {
+  TileSums sums;
+  tile_steps<T, MT, NB>(x, k, w, 0, k / Arith<T>::pair, sums, prefetch);
+  tile_outputs<T, MT, NB>(sums, bias, y, n);
 }
 
 #else  // LITEINFER_PACKED_AVX2
@@ -229,19 +261,41 @@ void tile(const T* x, int64_t k, const T* w, const T* bias, T* y, int64_t n, Pre
 template <typename T>
 using TileFn = void (*)(const T*, int64_t, const T*, const T*, T*, int64_t, Prefetch);
 
-// The tiles of NB blocks for 1..ROWS rows, indexed by the row count (entry 0 unused).
-template <typename T, int NB, int... R>
-constexpr std::array<TileFn<T>, ROWS + 1> tiles(std::integer_sequence<int, R...>) {
-  return {nullptr, &tile<T, R + 1, NB>...};
+// A tile's functions by shape, Kind::fn<T, MT, NB> for MT rows of x against NB blocks: the whole tile, and on
+// AVX-512 its ranges of steps and its outputs.
+struct WholeTile {
+  template <typename T, int MT, int NB>
+  static constexpr TileFn<T> fn = &tile<T, MT, NB>;
+};
+#if defined(LITEINFER_PACKED_AVX512)
+struct TileRange {
+  template <typename T, int MT, int NB>
+  static constexpr auto fn = &tile_steps<T, MT, NB>;
+};
+struct TileOutputs {
+  template <typename T, int MT, int NB>
+  static constexpr auto fn = &tile_outputs<T, MT, NB>;
+};
+#endif
+
+// Kind's functions of NB blocks for 1..ROWS rows, indexed by the row count (entry 0 unused).
+template <typename Kind, typename T, int NB, int... R>
+constexpr auto by_rows(std::integer_sequence<int, R...>) {
+  return std::array<decltype(Kind::template fn<T, 1, NB>), ROWS + 1>{nullptr, Kind::template fn<T, R + 1, NB>...};
 }
 
-// The tile for `rows` rows (1..ROWS) of x against a group of `blocks` blocks (1..BLOCKS).
+// Kind's function for `rows` rows (1..ROWS) of x against a group of `blocks` blocks (1..BLOCKS).
+template <typename Kind, typename T>
+auto tile_fn(int64_t blocks, int64_t rows) {
+  static constexpr auto row_counts = std::make_integer_sequence<int, ROWS>{};
+  static constexpr std::array by_blocks = {by_rows<Kind, T, 1>(row_counts), by_rows<Kind, T, 2>(row_counts),
+                                           by_rows<Kind, T, 3>(row_counts)};
+  return by_blocks[blocks - 1][rows];
+}
+
 template <typename T>
 TileFn<T> tile_for(int64_t blocks, int64_t rows) {
-  static constexpr auto row_counts = std::make_integer_sequence<int, ROWS>{};
-  static constexpr std::array<std::array<TileFn<T>, ROWS + 1>, BLOCKS + 1> by_blocks = {
-      {{}, tiles<T, 1>(row_counts), tiles<T, 2>(row_counts), tiles<T, 3>(row_counts)}};
-  return by_blocks[blocks][rows];
+  return tile_fn<WholeTile, T>(blocks, rows);
 }
 
 }  // namespace liteinfer::packed

@@ -1,8 +1,8 @@
 """The packed linear (liteinfer/kernels/packed_linear.cpp) against the exact product (float64), within what fp32
-summation may err, over row counts that take every tile size and the M-blocking, output counts that end a tile's
-three blocks early, odd input lengths and the AMX tiles' multiples of 32; its gated form against the packed linear
-then the gated activation, to the bit; and `pack_linears` choosing them (tests/integration run whole models through
-them)."""
+summation may err, over row counts that take every tile size, the passes and the M-blocking, output counts that end
+a tile's three blocks early, odd input lengths and the AMX tiles' multiples of 32; its gated form against the packed
+linear then the gated activation, to the bit; and `pack_linears` choosing them (tests/integration run whole models
+through them)."""
 
 from types import SimpleNamespace
 
@@ -33,7 +33,8 @@ DTYPES = [dtype for dtype in (torch.float32, torch.bfloat16) if kernels.packed_l
 
 @settings(max_examples=60, deadline=None)
 @given(
-    rows=st.one_of(st.integers(0, 20), st.integers(120, 300)),  # every tile size; more than one block of 128 rows
+    # every tile size; 2 to 8 tiles in passes (AVX-512) and more tiles; more than one block of 128 rows
+    rows=st.one_of(st.integers(0, 20), st.integers(21, 80), st.integers(120, 300)),
     # 16 outputs each: groups of three blocks, and of one or two at the end; from 24 on, threads' shares of four
     # whole groups or more, which one row reads side by side on AVX2
     blocks=st.one_of(st.integers(1, 8), st.integers(24, 40)),
@@ -58,7 +59,8 @@ def test_packed_linear_is_within_fp32_summation_error_of_the_exact_product(rows,
 
 @settings(max_examples=60, deadline=None)
 @given(
-    rows=st.one_of(st.integers(1, 20), st.integers(120, 300), st.just(700)),  # 700 on two threads: rows shared
+    # passes of 2 to 8 tiles from 9 rows; 700 on two threads: rows shared
+    rows=st.one_of(st.integers(1, 20), st.integers(21, 80), st.integers(120, 300), st.just(700)),
     blocks=st.one_of(st.integers(1, 8), st.integers(24, 40)),  # of each half: the last group of one or two blocks
     steps=st.one_of(st.integers(1, 100), st.integers(1, 12).map(lambda tiles: 16 * tiles)),  # AMX: multiples of 32
     dtype=st.sampled_from(DTYPES),
@@ -133,6 +135,32 @@ def test_many_rows_over_a_wide_weight_give_each_row_the_bits_it_gets_alone_in_it
         torch.set_num_threads(threads)
     assert_within_summation_error(out, x, weight, bias)
     assert torch.equal(out, by_block)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_rows_bits_are_the_same_alone_and_among_rows_taken_in_passes(dtype):
+    """On AVX-512, 9 to 64 rows take each group of W in passes of 64 steps through every tile of 8 rows, carrying
+    each tile's sums from pass to pass; one row, and more than 64, take every step in one range. A row's sums are
+    the same operations in the same order either way, so its bits alone equal its bits among 9, 40, 64, 65 or 200
+    rows. 300 fp32 inputs: passes that end inside and on the 128-step chunks of the two-level sums; bf16 300 inputs
+    too (150 pairs, not a multiple of 32, so the AVX-512 tiles serve where AMX is). 7 blocks: groups of 3, 3 and 1,
+    each thread's last pass requesting the next group's lines, the gated form's its other half's."""
+    generator = torch.Generator().manual_seed(0)
+    x, weight, bias = (torch.randn(*shape, generator=generator).to(dtype) for shape in ((200, 300), (112, 300), (112,)))
+    packed, gate_up = pack_weight(weight), pack_gate_up(torch.cat([weight, weight.flip(0)]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        alone = torch.cat([torch.ops.liteinfer.packed_linear(x[r:r + 1], packed, bias) for r in range(200)])
+        gated_alone = torch.cat([torch.ops.liteinfer.packed_gated_linear(x[r:r + 1], gate_up, None, "silu")
+                                 for r in range(200)])
+        for rows in (9, 40, 64, 65, 200):
+            assert torch.equal(torch.ops.liteinfer.packed_linear(x[:rows], packed, bias), alone[:rows])
+            assert torch.equal(torch.ops.liteinfer.packed_gated_linear(x[:rows], gate_up, None, "silu"),
+                               gated_alone[:rows])
+    finally:
+        torch.set_num_threads(threads)
+    assert_within_summation_error(alone, x, weight, bias)
 
 
 def test_amx_serves_bf16_where_the_cpu_has_it():
