@@ -213,6 +213,8 @@ void group_in_passes(const T* x, int64_t k, const T* w, int64_t nb, const T* nex
                      int64_t n, TileSums* sums) {
   const int64_t steps = k / PAIR<T>, step_size = nb * 16 * PAIR<T>, num_tiles = (rows + ROWS - 1) / ROWS;
   const int64_t pass_steps = num_tiles > 1 && num_tiles <= PASS_TILES ? PASS_STEPS : steps;
+  // In one pass a tile is done before the next starts, so one set of sums serves every tile (and stays in L1).
+  const bool one_pass = pass_steps >= steps;
   for (int64_t s0 = 0; s0 < steps; s0 += pass_steps) {
     const int64_t s1 = std::min(steps, s0 + pass_steps);
     // A step is nb lines; the group after this one has at most nb blocks.
@@ -220,15 +222,15 @@ void group_in_passes(const T* x, int64_t k, const T* w, int64_t nb, const T* nex
     const int64_t ahead_lines = ahead ? std::min(pass_steps, s1 < steps ? steps - s1 : steps) * nb : 0;
     for (int64_t t = 0; t < num_tiles; ++t) {
       const int64_t asked = t * (s1 - s0);  // the lines the tiles before this one asked for
+      const int64_t tile_rows = std::min<int64_t>(ROWS, rows - t * ROWS);
       const Prefetch prefetch = asked < ahead_lines
                                     ? Prefetch{reinterpret_cast<const char*>(ahead) + asked * LINE, ahead_lines - asked}
                                     : Prefetch{nullptr, 0};
-      tile_fn<TileRange, T>(nb, std::min<int64_t>(ROWS, rows - t * ROWS))(x + t * ROWS * k, k, w, s0, s1, sums[t],
-                                                                          prefetch);
+      TileSums& tile_sums = sums[one_pass ? 0 : t];
+      tile_fn<TileRange, T>(nb, tile_rows)(x + t * ROWS * k, k, w, s0, s1, tile_sums, prefetch);
+      if (s1 == steps) tile_fn<TileOutputs, T>(nb, tile_rows)(tile_sums, bias, y + t * ROWS * n, n);
     }
   }
-  for (int64_t t = 0; t < num_tiles; ++t)
-    tile_fn<TileOutputs, T>(nb, std::min<int64_t>(ROWS, rows - t * ROWS))(sums[t], bias, y + t * ROWS * n, n);
 }
 #endif
 
@@ -243,7 +245,7 @@ void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, 
     for (int64_t m0 = share.row_begin; m0 < share.row_end; m0 += M_BLOCK) {
       const int64_t m_end = std::min(share.row_end, m0 + M_BLOCK);
 #if defined(LITEINFER_PACKED_AVX512)
-      TileSums sums[M_BLOCK / ROWS];
+      TileSums sums[PASS_TILES];
       for (int64_t g = begin; g < end; ++g) {
         const int64_t b0 = g * BLOCKS, nb = std::min(BLOCKS, blocks - b0);
         group_outputs(outputs, b0, nb, m_end - m0, y + m0 * outputs.n_out, scratch, [&](int64_t first, T* out,
@@ -323,6 +325,7 @@ at::Tensor multiply(const at::Tensor& x, const at::Tensor& weight, const c10::op
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == x.scalar_type()),
               "the bias must be [out], in x's dtype");
   const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k > 0, "x must have at least one input");  // (AMX's chunk of W would divide by its zero size)
   const Outputs outputs(act, n);
   const at::Tensor x_ = x.contiguous(), b = bias ? bias->contiguous() : at::Tensor();
   at::Tensor y = at::empty({m, outputs.n_out}, x.options());
