@@ -44,7 +44,8 @@ x W^T (+ bias), summed in fp32, in x's dtype (fp32: pair 1; bf16: pair 2), for W
 `layers/linear.py: pack_weight` (16 outputs' weights for one input pair side by side); built on x86 CPUs with
 AVX-512 BF16 (fp32 and bf16) or with AVX2 and FMA (bf16 only): `packed_linear_available(dtype)`. On CPUs with AMX
 (`packed_linear_amx()`), bf16 with inputs in multiples of 32 is multiplied in AMX tiles, the sums still fp32 (the
-tiles take subnormal bf16 inputs as zero).
+tiles take subnormal bf16 inputs as zero). A row's result does not depend on the rows beside it. x must have at
+least one input.
 
 `packed_gated_linear(x [rows, in], weight [2, size / 16, in / pair, 16, pair], bias [2 * size] or None, act)` ->
 [rows, size] = act(x G^T + b_g) * (x U^T + b_u), a gated MLP's gate/up matmul and its activation in one pass, for
