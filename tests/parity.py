@@ -144,8 +144,14 @@ LONG_PROMPTS = [
 ]
 
 
-def rope_factors(step: float) -> list[float]:
-    return [1.0 + step * i for i in range(8)]  # head_dim 16: one factor per rotated pair
+def longrope(**extra) -> dict:
+    """Phi-3's long-rope parameters as both Phi-3 variants below take them: short and long factors (one per rotated
+    pair of head_dim 16) far enough apart that the rotation shows which of them applies."""
+    def factors(step: float) -> list[float]:
+        return [1.0 + step * i for i in range(8)]
+
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": factors(0.1), "long_factor": factors(0.5),
+            **extra}
 
 
 # Every supported family other than Llama, with every feature the family has switched on (tests/integration/
@@ -212,13 +218,7 @@ FAMILY_VARIANTS = {
         "Phi3Config",
         dict(
             original_max_position_embeddings=512,
-            rope_parameters={
-                "rope_type": "longrope",
-                "rope_theta": 10000.0,
-                "short_factor": rope_factors(0.1),
-                "long_factor": rope_factors(0.5),
-                "attention_factor": 1.2,
-            },
+            rope_parameters=longrope(attention_factor=1.2),
             sliding_window=WINDOW,
             tie_word_embeddings=False,
         ),
@@ -228,12 +228,7 @@ FAMILY_VARIANTS = {
         "Phi3Config",
         dict(
             original_max_position_embeddings=32,
-            rope_parameters={
-                "rope_type": "longrope",
-                "rope_theta": 10000.0,
-                "short_factor": rope_factors(0.1),
-                "long_factor": rope_factors(0.5),
-            },
+            rope_parameters=longrope(),
             tie_word_embeddings=False,
         ),
         LONG_PROMPTS,
