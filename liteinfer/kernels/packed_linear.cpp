@@ -44,7 +44,7 @@ namespace {
 using liteinfer::packed::BLOCKS, liteinfer::packed::FLOAT_TILES, liteinfer::packed::LINE, liteinfer::packed::Prefetch,
     liteinfer::packed::ROWS, liteinfer::packed::tile_for;
 #if defined(LITEINFER_PACKED_AVX512)
-using liteinfer::packed::store_outputs;
+using liteinfer::packed::Arith, liteinfer::packed::store_outputs;
 #endif
 
 constexpr int64_t M_BLOCK = 128;  // rows per pass over W: their x stays in L2 (128 x 1536 bf16: 384 KB)
@@ -94,17 +94,27 @@ constexpr int64_t GROUP_OUTPUTS = BLOCKS * 16;
 // The outputs of the group whose first block is b0 (nb blocks) for `rows` rows of y (y at their first row):
 // `pass(first_block, out, stride)` multiplies the rows by W's group from first_block into out (`stride` a row).
 // Gated, gate's group and up's go into `scratch` (a row of each side by side), rounded to T as a linear's outputs
-// are, and liteinfer::gate_row makes act(gate) * up from them as gated_activation would (the same bits).
+// are, and liteinfer::gate_row makes act(gate) * up from them as gated_activation would (the same bits), into y or,
+// `stream`ed (AVX-512, fp32), into a row in L1 that streaming stores then write to y.
 template <typename T, typename Pass>
 void group_outputs(const Outputs& outputs, int64_t b0, int64_t nb, int64_t rows, T* y, T* scratch,
-                   const Pass& pass) {
+                   const Pass& pass, bool stream = false) {
   if (outputs.act == Act::kNone) return pass(b0, y + b0 * 16, outputs.n_out);
   pass(b0, scratch, 2 * GROUP_OUTPUTS);
   pass(outputs.half_blocks + b0, scratch + GROUP_OUTPUTS, 2 * GROUP_OUTPUTS);
   const auto gate_row = outputs.act == Act::kSilu ? &liteinfer::gate_row<T, false> : &liteinfer::gate_row<T, true>;
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = scratch + r * 2 * GROUP_OUTPUTS;
-    gate_row(gate, gate + GROUP_OUTPUTS, y + r * outputs.n_out + b0 * 16, nb * 16);
+    T* out = y + r * outputs.n_out + b0 * 16;
+#if defined(LITEINFER_PACKED_AVX512)
+    if (stream) {
+      alignas(64) T row[GROUP_OUTPUTS];
+      gate_row(gate, gate + GROUP_OUTPUTS, row, nb * 16);
+      for (int64_t b = 0; b < nb; ++b) store_outputs<T>(out + b * 16, Arith<T>::widen(row + b * 16), nullptr, true);
+      continue;
+    }
+#endif
+    gate_row(gate, gate + GROUP_OUTPUTS, out, nb * 16);
   }
 }
 
@@ -207,10 +217,11 @@ constexpr int64_t PASS_STEPS = 64, PASS_TILES = 8;
 
 // y[rows, 16 * nb outputs] = x[rows] . the group of nb blocks at `w` (+ b), in passes as above or each tile over
 // every step; `next` is the group the thread reads after this one (nullptr: none), whose first lines are requested
-// by the last pass. A row's sums are the same operations in the same order either way (tile_steps).
+// by the last pass; `stream`: the outputs by streaming stores. A row's sums are the same operations in the same order
+// either way (tile_steps).
 template <typename T>
 void group_in_passes(const T* x, int64_t k, const T* w, int64_t nb, const T* next, int64_t rows, const T* bias, T* y,
-                     int64_t n, TileSums* sums) {
+                     int64_t n, TileSums* sums, bool stream) {
   const int64_t steps = k / PAIR<T>, step_size = nb * 16 * PAIR<T>, num_tiles = (rows + ROWS - 1) / ROWS;
   const int64_t pass_steps = num_tiles > 1 && num_tiles <= PASS_TILES ? PASS_STEPS : steps;
   // In one pass a tile is done before the next starts, so one set of sums serves every tile (and stays in L1).
@@ -228,7 +239,7 @@ void group_in_passes(const T* x, int64_t k, const T* w, int64_t nb, const T* nex
                                     : Prefetch{nullptr, 0};
       TileSums& tile_sums = sums[one_pass ? 0 : t];
       tile_fn<TileRange, T>(nb, tile_rows)(x + t * ROWS * k, k, w, s0, s1, tile_sums, prefetch);
-      if (s1 == steps) tile_fn<TileOutputs, T>(nb, tile_rows)(tile_sums, bias, y + t * ROWS * n, n);
+      if (s1 == steps) tile_fn<TileOutputs, T>(nb, tile_rows)(tile_sums, bias, y + t * ROWS * n, n, stream);
     }
   }
 }
@@ -238,6 +249,17 @@ template <typename T>
 void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t k, const Outputs& outputs) {
   const int64_t block_size = k * 16, blocks = outputs.half_blocks;  // elements per block; blocks of W or of a half
   const int64_t groups = (blocks + BLOCKS - 1) / BLOCKS;
+#if defined(LITEINFER_PACKED_AVX512)
+  // Calls taken in passes (2 to PASS_TILES tiles of rows) write fp32 outputs by streaming stores. A plain store to a
+  // line that is not in the cache reads it from memory first, and y's lines (memory the allocator hands back, long
+  // pushed out of the caches by W's stream) came from DRAM that way, in bursts at each group's end, stalling W's own
+  // stream: on the Intel Xeon SmolLM2's fp32 linears took 0.90-0.95x the time at 16 to 64 rows streamed, and a
+  // decode step of 32 sequences ~0.97x, the ops after each linear now reading y from memory (docs/benchmarks.md). One
+  // row keeps y in the cache for them; past 64 rows streaming took 0-3% off the linears alone.
+  const int64_t tiles = (m + ROWS - 1) / ROWS;
+  const bool stream = std::is_same_v<T, float> && tiles > 1 && tiles <= PASS_TILES &&
+                      reinterpret_cast<uintptr_t>(y) % LINE == 0;  // (each group's row of y then starts a line)
+#endif
   // A thread's rows an M block at a time, each block over the thread's groups: one stream through its part of W.
   share_out(m, groups, ROWS, [&](const Share& share) {
     alignas(64) T scratch[M_BLOCK * 2 * GROUP_OUTPUTS];
@@ -256,9 +278,11 @@ void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, 
                                 : g + 1 < end                               ? b0 + nb
                                                                             : -1;
           group_in_passes(x + m0 * k, k, w + first * block_size, nb, after >= 0 ? w + after * block_size : nullptr,
-                          m_end - m0, bias ? bias + first * 16 : nullptr, out, stride, sums);
-        });
+                          m_end - m0, bias ? bias + first * 16 : nullptr, out, stride, sums,
+                          stream && outputs.act == Act::kNone);  // (gated, out is the scratch rows)
+        }, stream);
       }
+      if (stream) _mm_sfence();  // the streamed outputs written before the call returns
 #else  // LITEINFER_PACKED_AVX2
       const int64_t lines_per_block = block_size * static_cast<int64_t>(sizeof(T)) / LINE;
       const int64_t num_tiles = (m_end - m0 + ROWS - 1) / ROWS;

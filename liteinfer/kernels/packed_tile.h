@@ -74,10 +74,16 @@ struct Arith<c10::BFloat16> {
   }
 };
 
-// 16 outputs at y: their fp32 sums (+ their bias), in T.
+// 16 outputs at y: their fp32 sums (+ their bias), in T. `stream` (fp32, whose 16 outputs are one line; y on a line's
+// start): a streaming store, which writes the line to memory without reading it into the cache first
+// (packed_linear.cpp says when that pays).
 template <typename T>
-void store_outputs(T* y, __m512 sum, const T* bias) {
-  Arith<T>::store(y, bias ? _mm512_add_ps(sum, Arith<T>::widen(bias)) : sum);
+void store_outputs(T* y, __m512 sum, const T* bias, bool stream = false) {
+  const __m512 v = bias ? _mm512_add_ps(sum, Arith<T>::widen(bias)) : sum;
+  if constexpr (std::is_same_v<T, float>) {
+    if (stream) return _mm512_stream_ps(y, v);
+  }
+  Arith<T>::store(y, v);
 }
 
 // A tile's sums between the ranges of steps it is run over (tile_steps), for up to ROWS rows by BLOCKS blocks: the
@@ -133,14 +139,14 @@ void tile_steps(const T* x, int64_t k, const T* w, int64_t s0, int64_t s1, TileS
   }
 }
 
-// The tile's outputs from its totals (+ b), once every step has been run.
+// The tile's outputs from its totals (+ b), once every step has been run (`stream`: as store_outputs).
 template <typename T, int MT, int NB>
-void tile_outputs(const TileSums& sums, const T* bias, T* y, int64_t n) {
+void tile_outputs(const TileSums& sums, const T* bias, T* y, int64_t n, bool stream = false) {
 #pragma GCC unroll 8
   for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 3
     for (int b = 0; b < NB; ++b)
-      store_outputs(y + m * n + b * 16, _mm512_load_ps(sums.total[m][b]), bias ? bias + b * 16 : nullptr);
+      store_outputs(y + m * n + b * 16, _mm512_load_ps(sums.total[m][b]), bias ? bias + b * 16 : nullptr, stream);
 }
 
 // y[MT rows, 16 * NB outputs] = x[MT rows] . the group of NB blocks at `w` (+ b), every step in one range.
