@@ -215,6 +215,12 @@ using liteinfer::packed::PAIR, liteinfer::packed::TileOutputs, liteinfer::packed
 // tiles' running sums outgrow L1's 48 KB, and passes lost 4-5% at 128 and 512 rows; a lone tile has nothing to share.
 constexpr int64_t PASS_STEPS = 64, PASS_TILES = 8;
 
+// Whether `rows` rows (one M block) take each group in passes: 2 to PASS_TILES tiles of rows.
+constexpr bool in_passes(int64_t rows) {
+  const int64_t tiles = (rows + ROWS - 1) / ROWS;
+  return tiles > 1 && tiles <= PASS_TILES;
+}
+
 // y[rows, 16 * nb outputs] = x[rows] . the group of nb blocks at `w` (+ b), in passes as above or each tile over
 // every step; `next` is the group the thread reads after this one (nullptr: none), whose first lines are requested
 // by the last pass; `stream`: the outputs by streaming stores. A row's sums are the same operations in the same order
@@ -223,7 +229,7 @@ template <typename T>
 void group_in_passes(const T* x, int64_t k, const T* w, int64_t nb, const T* next, int64_t rows, const T* bias, T* y,
                      int64_t n, TileSums* sums, bool stream) {
   const int64_t steps = k / PAIR<T>, step_size = nb * 16 * PAIR<T>, num_tiles = (rows + ROWS - 1) / ROWS;
-  const int64_t pass_steps = num_tiles > 1 && num_tiles <= PASS_TILES ? PASS_STEPS : steps;
+  const int64_t pass_steps = in_passes(rows) ? PASS_STEPS : steps;
   // In one pass a tile is done before the next starts, so one set of sums serves every tile (and stays in L1).
   const bool one_pass = pass_steps >= steps;
   for (int64_t s0 = 0; s0 < steps; s0 += pass_steps) {
@@ -256,8 +262,7 @@ void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, 
   // stream: on the Intel Xeon SmolLM2's fp32 linears took 0.90-0.95x the time at 16 to 64 rows streamed, and a
   // decode step of 32 sequences ~0.97x, the ops after each linear now reading y from memory (docs/benchmarks.md). One
   // row keeps y in the cache for them; past 64 rows streaming took 0-3% off the linears alone.
-  const int64_t tiles = (m + ROWS - 1) / ROWS;
-  const bool stream = std::is_same_v<T, float> && tiles > 1 && tiles <= PASS_TILES &&
+  const bool stream = std::is_same_v<T, float> && in_passes(m) &&
                       reinterpret_cast<uintptr_t>(y) % LINE == 0;  // (each group's row of y then starts a line)
 #endif
   // A thread's rows an M block at a time, each block over the thread's groups: one stream through its part of W.
