@@ -36,8 +36,9 @@ class EngineConfig:
     # With chunked prefill, the most tokens a prefill in progress takes per step while others wait.
     # None = a quarter of max_num_batched_tokens.
     long_prefill_token_threshold: int | None = None
-    # False: decode steps run as one torch.compile graph (engine/compiled.py), compiled when the engine starts
-    # (30-60 s per graph on 2 CPU cores, two graphs). True keeps every step on the plain eager path.
+    # False: decode steps run as one compiled graph, made when the engine starts: on a CPU, AOTInductor packages
+    # kept on disk (engine/packaged.py; SmolLM2 on 2 cores: ~80 s the first time, 5 s once made); on CUDA,
+    # torch.compile's graphs replayed as CUDA graphs (engine/compiled.py). True keeps every step on the eager path.
     enforce_eager: bool = True
     seed: int = 0
     # Ranks the model is sharded over (Megatron-style, one process per rank on this host; see engine/workers.py).

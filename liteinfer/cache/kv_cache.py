@@ -30,6 +30,7 @@ class KVCache:
         self.v = [_zeros(v_shape, torch.int8 if int8 else dtype, device) for _ in range(num_layers)]
         self.k_scales = [_zeros(shape[:3], torch.float32, device) if int8 else None for _ in range(num_layers)]
         self.v_scales = [_zeros(shape[:3], torch.float32, device) if int8 else None for _ in range(num_layers)]
+        self.int8 = int8
         self.device = device
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -40,16 +41,23 @@ class KVCache:
         row_bytes = head_dim + 4 if int8 else head_dim * dtype.itemsize  # int8: a byte an element and an fp32 scale
         return 2 * num_layers * block_size * num_kv_heads * row_bytes
 
-    def bind(self, model: nn.Module) -> None:
-        """Point each attention layer, in model order, at its own slice of the pool."""
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the pool, layer by layer: K, V, and with int8 their scales (the order `bind` takes)."""
+        layers = zip(self.k, self.v, self.k_scales, self.v_scales)
+        return [tensor for layer in layers for tensor in layer if tensor is not None]
+
+    def bind(self, model: nn.Module, tensors: list[torch.Tensor] | None = None) -> None:
+        """Point each attention layer, in model order, at its own slice of the pool; or at `tensors`, laid out as
+        `tensors()` gives them (engine/packaged.py binds its step's inputs so while it traces)."""
         layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         if len(layers) != len(self.k):
             raise ValueError(f"model has {len(layers)} attention layers, the cache was sized for {len(self.k)}")
-        for attn, k, v, k_scales, v_scales in zip(layers, self.k, self.v, self.k_scales, self.v_scales):
-            attn.k_cache, attn.v_cache, attn.k_scales, attn.v_scales = k, v, k_scales, v_scales
+        tensors = iter(self.tensors() if tensors is None else tensors)
+        for attn in layers:
+            attn.k_cache, attn.v_cache = next(tensors), next(tensors)
+            attn.k_scales, attn.v_scales = (next(tensors), next(tensors)) if self.int8 else (None, None)
         if self.device.type == "cpu":
             kernels.load()  # the decode attention that reads these pools where they lie
-
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed pool; on a CPU on huge pages (liteinfer/huge_pages.py), as the weights are: decode attention streams

@@ -1,5 +1,9 @@
 """The decode step under `torch.compile` (`enforce_eager=False`): the whole model and its LM head as one graph.
 
+Which engines: CUDA's (its CUDA graphs), and a CPU's where some weight waits for oneDNN's prepacking, which only
+freezing does inside a graph; every other CPU engine runs its decode step as AOTInductor packages
+(engine/packaged.py), which start in seconds once made.
+
 Which steps: decode-only steps, where every sequence computes one token and samples it. Prefill and mixed steps
 run the eager model: their span structure changes every step (a recompile each time), and their GEMMs are large
 enough that a graph gains little over eager.
@@ -102,11 +106,6 @@ class CompiledDecoder:
             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                      "triton.cudagraphs": self.cuda_graphs},
         )
-
-    @staticmethod
-    def accepts(step: StepInputs) -> bool:
-        """A decode-only step in which every row samples."""
-        return step.meta.num_decodes == len(step.input_ids) == len(step.sample_rows)
 
     def __call__(self, step: StepInputs) -> torch.Tensor:
         meta = step.meta

@@ -15,9 +15,10 @@ from liteinfer.distributed import TensorParallelGroup
 from liteinfer.engine.compiled import CompiledDecoder
 from liteinfer.engine.detokenizer import IncrementalDetokenizer
 from liteinfer.engine.model_runner import ModelRunner
+from liteinfer.engine.packaged import PackagedDecoder
 from liteinfer.engine.scheduler import Scheduler, StaticScheduler
 from liteinfer.engine.sequence import Request, Sequence
-from liteinfer.engine.workers import ShardSpec, WorkerPool, pack_weights
+from liteinfer.engine.workers import ShardSpec, WorkerPool, pack_weights, weights_left_for_onednn
 from liteinfer.models.source import load_config, load_tokenizer, resolve_model
 from liteinfer.outputs import RequestMetrics, RequestOutput
 from liteinfer.sampling import RequestOutputKind, Sampler, SamplerOutput, SamplingParams
@@ -106,7 +107,12 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         compiled = None
         if not config.enforce_eager:
-            compiled = CompiledDecoder(model, self.kv_cache, config.max_num_seqs, self.max_blocks_per_seq)
+            # A CPU runs packages (engine/packaged.py) unless some W waits for oneDNN's prepacking, which only
+            # torch.compile's freezing does; CUDA replays torch.compile's graphs as CUDA graphs.
+            if self.device.type == "cpu" and not weights_left_for_onednn(model):
+                compiled = PackagedDecoder(model, self.kv_cache, self.hf_config)
+            else:
+                compiled = CompiledDecoder(model, self.kv_cache, config.max_num_seqs, self.max_blocks_per_seq)
             compiled.warm_up(self.device)
             # The graphs hold inductor's own packed copies of the weights; eager (prefill) steps get theirs now.
             pack_weights(model)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from liteinfer.engine.compiled import CompiledDecoder
+from liteinfer.engine.packaged import PackagedDecoder
 from liteinfer.engine.scheduler import ScheduledBatch
 from liteinfer.engine.sequence import Sequence
 from liteinfer.engine.step_inputs import StepInputs
@@ -23,7 +24,7 @@ class ModelRunner:
     run the same forward on their shards; the logits come back to rank 0 alone, and only rank 0 samples."""
 
     def __init__(self, model: nn.Module, sampler: Sampler, block_size: int, device: torch.device,
-                 workers: WorkerPool | None = None, compiled: CompiledDecoder | None = None):
+                 workers: WorkerPool | None = None, compiled: CompiledDecoder | PackagedDecoder | None = None):
         self.model = model
         self.sampler = sampler
         self.block_size = block_size
@@ -44,7 +45,7 @@ class ModelRunner:
         try:
             if self.workers is not None:
                 self.workers.send(step)
-            if self.compiled is not None and self.compiled.accepts(step):
+            if self.compiled is not None and step.decode_only:
                 logits = self.compiled(step)
             else:
                 logits = run_step(self.model, step)

@@ -25,6 +25,11 @@ class StepInputs:
     meta: AttentionMetadata  # its positions are the tokens' positions
     sample_rows: torch.Tensor  # [N] rows of the packed batch whose logits are computed (the sampling tokens)
 
+    @property
+    def decode_only(self) -> bool:
+        """Every token a decode, and every row sampling: what a compiled decode step takes."""
+        return self.meta.num_decodes == len(self.input_ids) == len(self.sample_rows)
+
     def to_bytes(self) -> bytes:
         meta = self.meta
         decode_tables = meta.decode_block_tables

@@ -25,7 +25,7 @@ import signal
 import traceback
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, is_dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 
@@ -40,7 +40,7 @@ from liteinfer.cache import KVCache
 from liteinfer.distributed import TensorParallelGroup
 from liteinfer.engine.step_inputs import StepInputs
 from liteinfer.layers import LMHead
-from liteinfer.layers.linear import Linear, pack_linears
+from liteinfer.layers.linear import Linear, left_for_onednn, pack_linears
 from liteinfer.layers.quantization import quantize_linears
 from liteinfer.models import get_model_class
 from liteinfer.models.loader import build_model, iter_checkpoint
@@ -103,14 +103,16 @@ def pack_weights(model: nn.Module, onednn: bool = True) -> None:
     pack_linears(model, (Linear, LMHead), onednn)
 
 
+def weights_left_for_onednn(model: nn.Module) -> bool:
+    """Whether `pack_weights(model)` would prepack some float W for oneDNN: W that our kernel does not take."""
+    return any(left_for_onednn(module) for module in model.modules() if isinstance(module, (Linear, LMHead)))
+
+
 def model_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
-    """Every tensor the forward reads: parameters, buffers and the fields of quantized weights."""
+    """Every tensor the forward reads: parameters and buffers (quantized weights' included)."""
     for module in model.modules():
         yield from module.parameters(recurse=False)
         yield from module.buffers(recurse=False)
-        quantized = getattr(module, "quantized", None)
-        if is_dataclass(quantized):
-            yield from (value for value in vars(quantized).values() if isinstance(value, torch.Tensor))
 
 
 def run_step(model: nn.Module, step: StepInputs) -> torch.Tensor | None:

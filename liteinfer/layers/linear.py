@@ -133,6 +133,12 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def left_for_onednn(module: nn.Module) -> bool:
+    """Whether `pack_linears` with `onednn` would prepack `module`'s W for oneDNN, W our kernel does not take."""
+    weight = getattr(module, "weight", None)
+    return weight is not None and _float_as_loaded(weight) and not packable(weight) and onednn_packs(weight.dtype)
+
+
 def pack_linears(model: nn.Module, modules: tuple[type[nn.Module], ...], onednn: bool = True) -> None:
     """Repack the loaded float W of each of `modules` (which multiply through `linear`) for the fastest kernel this
     CPU has for it: our packed linear where it takes W (`packable`); otherwise, with `onednn`, oneDNN's blocked
@@ -155,7 +161,7 @@ def pack_linears(model: nn.Module, modules: tuple[type[nn.Module], ...], onednn:
             packed = pack_gate_up(weight.data)
         elif packable(weight):
             packed = pack_weight(weight.data)
-        elif onednn and onednn_packs(weight.dtype):
+        elif onednn and left_for_onednn(module):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.data, ONEDNN_BATCH_HINT)
         else:
             continue

@@ -11,8 +11,6 @@ batches are bound by arithmetic instead, where quantized weights save memory rat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -27,8 +25,7 @@ INT8_GROUP_SIZE = 32
 FP16_MAX = torch.finfo(torch.float16).max
 
 
-@dataclass
-class Int8Weight:
+class Int8Weight(nn.Module):
     """W ≈ q * scale + zero per group of INT8_GROUP_SIZE inputs, q in [-128, 127], the scale and zero in fp16 (each
     group on the nearer of two grids: `levels`).
 
@@ -38,8 +35,12 @@ class Int8Weight:
     zeros kept all 8, bf16 ones 6 (docs/benchmarks.md); they add 4 bytes to a group's 32.
     """
 
-    q: torch.Tensor  # [out, in] int8
-    scales_and_zeros: torch.Tensor  # [out, 2, in / group] fp16: a row's scales, then its zeros
+    def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor):
+        super().__init__()
+        # Buffers, so that they are named with the model's state: the CPU's packaged decode step is handed them by
+        # name (engine/packaged.py).
+        self.register_buffer("q", q)  # [out, in] int8
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # [out, 2, in / group] fp16: scales, then zeros
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -68,7 +69,7 @@ class Int8Weight:
     def from_float(cls, weight: torch.Tensor) -> Int8Weight:
         return cls(*cls.levels(weight))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if gemv_takes(x, any_rows=True):  # one row or many: our kernel is int8's only (kernels/gemv.cpp)
             return torch.ops.liteinfer.gemv(x, self.q, self.scales_and_zeros, None)
         return x @ self.dequantized(x.dtype).T  # (no compiler for the kernels: the same weights, slowly)
@@ -102,8 +103,7 @@ def _on_grid(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
     return q, scales, zeros, error
 
 
-@dataclass
-class Int4Weight:
+class Int4Weight(nn.Module):
     """W ≈ (q - 8) * scale + zero per group of INT4_GROUP_SIZE inputs, q in [0, 15] (asymmetric: min..max), the
     scale and zero in the activations' dtype; the levels in our kernel's layout (`gemv_int4_layout`), which takes any
     number of rows (kernels/gemv.cpp). PyTorch's int4 matmul, which took batches before, wanted a second copy of the
@@ -111,8 +111,11 @@ class Int4Weight:
     than ours, bf16 batches without AMX 1.4-1.6x faster (docs/benchmarks.md).
     """
 
-    q: torch.Tensor  # [out, in / 2] bytes in gemv_int4_layout
-    scales_and_zeros: torch.Tensor  # [out, 2, in / group] in the activations' dtype: a row's scales, then its zeros
+    def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor):
+        super().__init__()
+        self.register_buffer("q", q)  # [out, in / 2] bytes in gemv_int4_layout
+        # [out, 2, in / group] in the activations' dtype: a row's scales, then its zeros
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -134,7 +137,7 @@ class Int4Weight:
         q, scales, zeros = cls.levels(weight)
         return cls(gemv_int4_layout(q), torch.stack([scales, zeros], dim=1).to(weight.dtype))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if gemv_takes(x, any_rows=True):
             return torch.ops.liteinfer.gemv(x, self.q, self.scales_and_zeros, None)
         return x @ self.dequantized(x.dtype).T  # (no compiler for the kernels: the same weights, slowly)

@@ -1,7 +1,11 @@
-"""torch.compile of the decode step (enforce_eager=False): the eager path's greedy tokens, the KV pool written in
-place, and every graph compiled at start-up (none while serving)."""
+"""The compiled decode step (enforce_eager=False) in both its forms: AOTInductor packages (engine/packaged.py, a CPU
+whose weights our kernel takes) and torch.compile (engine/compiled.py: CUDA's form, and a CPU's where some weight
+waits for oneDNN; forced here). Each gives the eager path's greedy tokens, writes the KV pool in place, and is made
+at start-up (none while serving)."""
 
 import asyncio
+import re
+import zipfile
 from unittest import mock
 
 import pytest
@@ -11,10 +15,12 @@ from parity import FAMILY_VARIANTS, make_tiny_model
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 from torch._inductor.graph import GraphLowering
+from torch.export import Dim
 
 from liteinfer import LLM, AsyncLLM, SamplingParams, kernels
-from liteinfer.engine import async_llm
+from liteinfer.engine import async_llm, llm_engine, packaged
 from liteinfer.engine.compiled import CompiledDecoder
+from liteinfer.engine.packaged import PackagedDecoder
 from liteinfer.engine.scheduler import Scheduler
 from liteinfer.layers.linear import Linear
 
@@ -40,11 +46,53 @@ def generated_code(fn, *args) -> str:
     return "\n".join(codes)
 
 
+def package_code(decoder: PackagedDecoder) -> str:
+    """Both packages' generated C++ and their calls of our ops (AOTInductor lists those in a JSON file)."""
+    texts = []
+    for one in (True, False):
+        with zipfile.ZipFile(decoder.package_path(one)) as package:
+            texts += [package.read(name).decode() for name in package.namelist() if name.endswith((".cpp", ".json"))]
+    return "\n".join(texts)
+
+
+def loops_over_a_pool(package_path, first_pool_input: int) -> list[str]:
+    """The loops in a package's kernels that run over a whole pool: loops bounded by a pool's block count (its size
+    0, dynamic), which the wrapper hands a kernel among its last, integer arguments."""
+    with zipfile.ZipFile(package_path) as package:
+        code = {name.split(".")[-2]: package.read(name).decode() for name in package.namelist()
+                if name.endswith((".wrapper.cpp", ".kernel.cpp"))}
+    wrapper, kernel_code = code["wrapper"], code["kernel"]
+    inputs = re.findall(r"auto (\w+) = std::move\(inputs\[(\d+)\]\);", wrapper)
+    pools = {name for name, index in inputs if int(index) >= first_pool_input}
+    sizes = {symbol for symbol, name in re.findall(r"int64_t (\w+) = (\w+)_size\[0\];", wrapper) if name in pools}
+    sizes |= {symbol for symbol, alias in re.findall(r"int64_t (\w+) = (\w+);", wrapper) if alias in sizes}
+    loops = []
+    for kernel, args in re.findall(r"\n\s*(cpp_fused_\w+)\((.*)\);", wrapper):
+        integers = [arg for arg in args.split(", ") if not arg.startswith("(")]  # tensors are passed as casts
+        params, body = re.search(rf"void\s+{kernel}\((.*?)\)\s*\{{(.*?)\n\}}", kernel_code, re.S).groups()
+        for param, arg in zip(re.findall(r"const int64_t (ks\d+)", params), integers, strict=True):
+            if sizes & set(re.findall(r"\w+", arg)):
+                loops += [line for line in body.splitlines() if "for(" in line and param in re.findall(r"\w+", line)]
+    return loops
+
+
+@pytest.fixture(scope="module")
+def packages(tiny_llama_dir) -> LLM:
+    llm = LLM(str(tiny_llama_dir), enforce_eager=False, **ENGINE)
+    if not isinstance(llm.engine.runner.compiled, PackagedDecoder):
+        pytest.skip("the packages need every weight in our kernel's layout: fp32 on CPUs with AVX-512 BF16")
+    return llm
+
+
 @pytest.fixture(scope="module")
 def compiled(tiny_llama_dir):
-    """(the compiled engine's LLM, the C++/Python code inductor generated for it at start-up)."""
-    engines = []
-    code = generated_code(lambda: engines.append(LLM(str(tiny_llama_dir), enforce_eager=False, **ENGINE)))
+    """(torch.compile's engine, the C++/Python code inductor generated for it at start-up), the form forced as if
+    some weight waited for oneDNN."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llm_engine, "weights_left_for_onednn", lambda model: True)
+        engines = []
+        code = generated_code(lambda: engines.append(LLM(str(tiny_llama_dir), enforce_eager=False, **ENGINE)))
+    assert isinstance(engines[0].engine.runner.compiled, CompiledDecoder)
     return engines[0], code
 
 
@@ -57,18 +105,20 @@ def token_ids(outputs) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in outputs]
 
 
-def graph_batches(monkeypatch) -> list[int]:
-    """The batch size of each step the compiled graphs run from now on (filled in as they run)."""
+def graph_batches(monkeypatch, decoder: type[CompiledDecoder | PackagedDecoder]) -> list[int]:
+    """The batch size of each step `decoder`'s graphs run from now on (filled in as they run)."""
     batches = []
-    call = CompiledDecoder.__call__
-    monkeypatch.setattr(CompiledDecoder, "__call__", lambda self, step: batches.append(len(step.input_ids))
+    call = decoder.__call__
+    monkeypatch.setattr(decoder, "__call__", lambda self, step: batches.append(len(step.input_ids))
                         or call(self, step))
     return batches
 
 
-def test_compiled_decode_gives_eager_greedy_tokens(compiled, eager, monkeypatch):
-    llm, _ = compiled
-    batches, preemptions = graph_batches(monkeypatch), []
+@pytest.mark.parametrize("form", ["packages", "compiled"])
+def test_compiled_decode_gives_eager_greedy_tokens(form, eager, monkeypatch, request):
+    llm = request.getfixturevalue(form)
+    llm = llm[0] if form == "compiled" else llm
+    batches, preemptions = graph_batches(monkeypatch, type(llm.engine.runner.compiled)), []
     preempt = Scheduler.preempt
     monkeypatch.setattr(Scheduler, "preempt", lambda self, seq: preemptions.append(seq) or preempt(self, seq))
 
@@ -92,9 +142,51 @@ def test_other_families_decode_graphs_give_the_eager_greedy_tokens(family, tmp_p
     make_tiny_model(tmp_path, smollm2_tokenizer, variant)
     options = dict(dtype="float32", num_kv_blocks=64, max_model_len=256)
     llm, eager = LLM(str(tmp_path), enforce_eager=False, **options), LLM(str(tmp_path), **options)
-    batches = graph_batches(monkeypatch)
+    batches = graph_batches(monkeypatch, type(llm.engine.runner.compiled))
     assert token_ids(llm.generate(variant.prompts, GREEDY)) == token_ids(eager.generate(variant.prompts, GREEDY))
     assert max(batches) == len(variant.prompts)  # the batched graph served decode steps
+
+
+def test_packages_are_made_at_start_up_only(packages, monkeypatch):
+    assert set(packages.engine.runner.compiled.packages) == {True, False}  # batch of one, and any other batch
+    for name in ("export", "aoti_compile_and_package"):
+        module = torch.export if name == "export" else torch._inductor
+        monkeypatch.setattr(module, name, mock.Mock(side_effect=AssertionError(f"{name} while serving")))
+    packages.generate(PROMPTS, GREEDY)  # new batch sizes and context lengths
+    packages.generate(PROMPTS[:1], GREEDY)
+
+
+def test_an_engine_of_the_same_shapes_loads_the_packages_and_its_own_weights(packages, tmp_path, smollm2_tokenizer,
+                                                                             monkeypatch):
+    """The packages hold no weights: a second model of the same shapes starts from the first one's packages on
+    disk (nothing traced or compiled), and computes with its own weights."""
+    make_tiny_llama(tmp_path, smollm2_tokenizer, "gqa-untied", seed=1)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.export, "export", mock.Mock(side_effect=AssertionError("traced again")))
+        other = LLM(str(tmp_path), enforce_eager=False, **ENGINE)
+    prompts = PROMPTS[:2]
+    assert token_ids(other.generate(prompts, GREEDY)) == token_ids(LLM(str(tmp_path), **ENGINE).generate(prompts,
+                                                                                                        GREEDY))
+    assert token_ids(other.generate(prompts, GREEDY)) != token_ids(packages.generate(prompts, GREEDY))
+
+
+def test_package_key_covers_what_the_generated_code_depends_on(packages, tmp_path, monkeypatch):
+    """A package is found by a hash of what its code was made from: liteinfer's sources (a changed op schema must
+    not meet an old package), the thread count (written into inductor's parallel loops), the batch form, the
+    model's shapes."""
+    decoder = packages.engine.runner.compiled
+    source = tmp_path / "op.cpp"
+    source.write_text("void op(int a);")
+    monkeypatch.setattr(packaged, "SOURCES", tmp_path)
+    keys = {decoder.package_path(True), decoder.package_path(False)}
+    source.write_text("void op(int a, int b);")
+    keys.add(decoder.package_path(False))
+    with mock.patch.object(torch, "get_num_threads", return_value=torch.get_num_threads() + 1):
+        keys.add(decoder.package_path(False))
+    layer = packages.engine.runner.model.model.layers[0].mlp.down_proj
+    with mock.patch.dict(layer._parameters, weight=torch.nn.Parameter(layer.weight[:-16], requires_grad=False)):
+        keys.add(decoder.package_path(False))
+    assert len(keys) == 5
 
 
 def test_graphs_are_compiled_at_start_up_only(compiled):
@@ -106,6 +198,40 @@ def test_graphs_are_compiled_at_start_up_only(compiled):
     assert len(_debug_get_cache_entry_list(code)) == 2  # new batch sizes and context lengths: no recompile
 
 
+def num_linears(llm: LLM) -> int:
+    """Linears a graph calls, the LM head included, the gate/up matmuls (the gated form, below) not."""
+    num_layers = len(llm.engine.runner.model.model.layers)
+    return sum(isinstance(m, Linear) for m in llm.engine.runner.model.modules()) + 1 - num_layers
+
+
+def test_both_packages_multiply_through_the_packed_linear_kernel(packages):
+    """Each package's linears run kernels/packed_linear.cpp on the model's packed weights, called from C++ (through
+    AOTInductor's proxy executor), and each layer's SiLU(gate) * up runs in the gate/up matmul."""
+    code = package_code(packages.engine.runner.compiled)
+    num_layers = len(packages.engine.runner.model.model.layers)
+    assert code.count('"target": "liteinfer::packed_linear"') == 2 * num_linears(packages)
+    assert code.count('"target": "liteinfer::packed_gated_linear"') == 2 * num_layers
+    assert "mkldnn" not in code and "liteinfer::gemv" not in code
+
+
+def test_packages_write_the_kv_pool_in_place(packages, tmp_path):
+    """A package that functionalised the pool's update would write the whole pool back each step: a kernel loop
+    over a pool's blocks, which neither package has (the K/V write takes the block count to check its indices
+    only). The control, a graph that rewrites the whole of its input, shows such a loop would be found."""
+    decoder = packages.engine.runner.compiled
+    for one in (True, False):
+        assert loops_over_a_pool(decoder.package_path(one), first_pool_input=5) == []
+
+    class RewriteWhole(torch.nn.Module):
+        def forward(self, pool):
+            pool.copy_(pool * 2)
+            return pool[:, :1].sum()
+
+    program = torch.export.export(RewriteWhole(), (torch.zeros(4, 8),), dynamic_shapes=({0: Dim("blocks")},))
+    control = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "rewrite.pt2"))
+    assert loops_over_a_pool(control, first_pool_input=0)
+
+
 def test_both_graphs_multiply_through_the_packed_linear_kernel_from_cpp(compiled):
     """Each graph's linears, LM head included, run kernels/packed_linear.cpp on the weights the engine packed before
     compiling (inductor packs no copy of its own for oneDNN), called from C++ (inductor's cpp_wrapper: no Python per
@@ -113,10 +239,7 @@ def test_both_graphs_multiply_through_the_packed_linear_kernel_from_cpp(compiled
     if not kernels.packed_linear_available(torch.float32):
         pytest.skip("the packed linear takes fp32 on CPUs with AVX-512 BF16 only")
     llm, code = compiled
-    num_layers = len(llm.engine.runner.model.model.layers)
-    # + the LM head; each layer's gate/up runs the gated form (the next test)
-    num_linears = sum(isinstance(m, Linear) for m in llm.engine.runner.model.modules()) + 1 - num_layers
-    assert code.count('aoti_torch_call_dispatcher("liteinfer::packed_linear"') == 2 * num_linears
+    assert code.count('aoti_torch_call_dispatcher("liteinfer::packed_linear"') == 2 * num_linears(llm)
     assert "torch.ops.liteinfer.packed_linear" not in code
     assert "mkldnn" not in code and "liteinfer::gemv" not in code
 
@@ -155,7 +278,9 @@ def test_another_engine_in_the_same_process_gets_its_own_graphs(compiled, tmp_pa
     engine's graphs come from inductor's on-disk cache (same shapes), which binds this model's weights to them."""
     make_tiny_llama(tmp_path, smollm2_tokenizer, "gqa-untied", seed=1)
     hits = counters["inductor"]["fxgraph_cache_hit"]
-    other = LLM(str(tmp_path), enforce_eager=False, **ENGINE)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llm_engine, "weights_left_for_onednn", lambda model: True)
+        other = LLM(str(tmp_path), enforce_eager=False, **ENGINE)
     if kernels.packed_linear_available(torch.float32):  # oneDNN's packed weights cannot be pickled: no cache without it
         assert counters["inductor"]["fxgraph_cache_hit"] == hits + 2
     prompts = PROMPTS[:2]
@@ -165,9 +290,9 @@ def test_another_engine_in_the_same_process_gets_its_own_graphs(compiled, tmp_pa
     assert token_ids(other.generate(prompts, GREEDY)) != token_ids(first.generate(prompts, GREEDY))
 
 
-def test_async_llm_drives_the_compiled_engine_from_its_worker_thread(compiled, eager, monkeypatch):
-    """AsyncLLM steps the engine on a thread of its own: the graphs compiled on the main thread serve it."""
-    llm, _ = compiled
+def test_async_llm_drives_the_compiled_engine_from_its_worker_thread(packages, eager, monkeypatch):
+    """AsyncLLM steps the engine on a thread of its own: the packages loaded on the main thread serve it."""
+    llm = packages
     monkeypatch.setattr(async_llm, "make_engine", lambda config: llm.engine)  # this engine, not a fresh compile
 
     async def main():
