@@ -59,6 +59,7 @@ class KVCache:
         if self.device.type == "cpu":
             kernels.load()  # the decode attention that reads these pools where they lie
 
+
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed pool; on a CPU on huge pages (liteinfer/huge_pages.py), as the weights are: decode attention streams
     through a sequence's blocks."""

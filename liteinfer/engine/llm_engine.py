@@ -114,7 +114,8 @@ class LLMEngine:
             else:
                 compiled = CompiledDecoder(model, self.kv_cache, config.max_num_seqs, self.max_blocks_per_seq)
             compiled.warm_up(self.device)
-            # The graphs hold inductor's own packed copies of the weights; eager (prefill) steps get theirs now.
+            # torch.compile's graphs hold inductor's own prepacked copies of the weights left for oneDNN; eager
+            # (prefill) steps get theirs now. (The packages' form has none left.)
             pack_weights(model)
         self.runner = ModelRunner(model, Sampler(self.eos_token_ids), config.block_size, self.device, self.workers,
                                   compiled)
