@@ -124,18 +124,21 @@ class PackagedDecoder:
         token_dims = {0: batch_dim} if batch_dim else None
         dynamic_shapes = (token_dims, token_dims, token_dims, token_dims, {0: batch_dim, 1: width_dim} if batch_dim
                           else {1: width_dim}, tuple({0: blocks_dim} for _ in self.pool))
-        try:
-            with warnings.catch_warnings():  # that forward binds the layers' pools to its inputs is the point
-                warnings.filterwarnings("ignore", message="The tensor attributes .* were assigned during export")
-                program = torch.export.export(self.step, inputs, dynamic_shapes=dynamic_shapes, strict=False)
-        finally:
-            self.kv_cache.bind(self.step.model)  # tracing bound the layers to its own stand-ins
         path.parent.mkdir(parents=True, exist_ok=True)
         # Written under a name of its own, then renamed: an engine starting beside this one never loads half a file.
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
-        # A copy of the settings: the call adds its own to the dict it is given, which the key hashes.
-        torch._inductor.aoti_compile_and_package(program, package_path=str(partial),
-                                                 inductor_configs=dict(_INDUCTOR_CONFIG))
+        with warnings.catch_warnings():
+            # That forward binds the layers' pools to its inputs is the point; torch's packaging warns of its own
+            # use of a deprecated class.
+            warnings.filterwarnings("ignore", message="The tensor attributes .* were assigned during export")
+            warnings.filterwarnings("ignore", message=".*LeafSpec.* is deprecated", category=FutureWarning)
+            try:
+                program = torch.export.export(self.step, inputs, dynamic_shapes=dynamic_shapes, strict=False)
+            finally:
+                self.kv_cache.bind(self.step.model)  # tracing bound the layers to its own stand-ins
+            # A copy of the settings: the call adds its own to the dict it is given, which the key hashes.
+            torch._inductor.aoti_compile_and_package(program, package_path=str(partial),
+                                                     inductor_configs=dict(_INDUCTOR_CONFIG))
         os.replace(partial, path)
         logger.info("decode step compiled in %.0f s", time.perf_counter() - start)
 
