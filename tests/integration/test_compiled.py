@@ -147,6 +147,19 @@ def test_other_families_decode_graphs_give_the_eager_greedy_tokens(family, tmp_p
     assert max(batches) == len(variant.prompts)  # the batched graph served decode steps
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_packages_decode_quantized_weights_as_eager_does(method, tiny_llama_dir, monkeypatch):
+    """int8 and int4 weights, their levels and scales buffers of the model's (a package is handed its tensors by
+    name), give the eager engine's tokens: in fp32 neither path depends on the batch."""
+    options = dict(ENGINE, quantization=method)
+    llm = LLM(str(tiny_llama_dir), enforce_eager=False, **options)
+    assert isinstance(llm.engine.runner.compiled, PackagedDecoder)  # no float weight is left for oneDNN
+    batches = graph_batches(monkeypatch, PackagedDecoder)
+    eager = LLM(str(tiny_llama_dir), **options)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == token_ids(eager.generate(PROMPTS, GREEDY))
+    assert max(batches) > 1
+
+
 def test_packages_are_made_at_start_up_only(packages, monkeypatch):
     assert set(packages.engine.runner.compiled.packages) == {True, False}  # batch of one, and any other batch
     for name in ("export", "aoti_compile_and_package"):
