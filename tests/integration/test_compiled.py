@@ -149,8 +149,8 @@ def test_other_families_decode_graphs_give_the_eager_greedy_tokens(family, tmp_p
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_packages_decode_quantized_weights_as_eager_does(method, tiny_llama_dir, monkeypatch):
-    """int8 and int4 weights, their levels and scales buffers of the model's (a package is handed its tensors by
-    name), give the eager engine's tokens: in fp32 neither path depends on the batch."""
+    """int8 and int4 weights (their levels and scales are the model's buffers, which a package is handed by name)
+    give the eager engine's tokens: in fp32 neither path depends on the batch."""
     options = dict(ENGINE, quantization=method)
     llm = LLM(str(tiny_llama_dir), enforce_eager=False, **options)
     assert isinstance(llm.engine.runner.compiled, PackagedDecoder)  # no float weight is left for oneDNN
@@ -162,9 +162,9 @@ def test_packages_decode_quantized_weights_as_eager_does(method, tiny_llama_dir,
 
 def test_packages_are_made_at_start_up_only(packages, monkeypatch):
     assert set(packages.engine.runner.compiled.packages) == {True, False}  # batch of one, and any other batch
-    for name in ("export", "aoti_compile_and_package"):
-        module = torch.export if name == "export" else torch._inductor
-        monkeypatch.setattr(module, name, mock.Mock(side_effect=AssertionError(f"{name} while serving")))
+    monkeypatch.setattr(torch.export, "export", mock.Mock(side_effect=AssertionError("traced while serving")))
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package",
+                        mock.Mock(side_effect=AssertionError("compiled while serving")))
     packages.generate(PROMPTS, GREEDY)  # new batch sizes and context lengths
     packages.generate(PROMPTS[:1], GREEDY)
 
