@@ -79,7 +79,7 @@ def test_compiled_step_reads_and_writes_int8_pools_in_place(tiny_heads_64):
     tokens = [out.outputs[0].token_ids for out in compiled.generate(prompts, GREEDY)]
     assert tokens == [out.outputs[0].token_ids for out in eager.generate(prompts, GREEDY)]
     decoder, cache = compiled.engine.runner.compiled, compiled.engine.kv_cache
-    if isinstance(decoder, PackagedDecoder):  # test_compiled.py shows how such a loop shows in either form
+    if isinstance(decoder, PackagedDecoder):  # test_compiled.py's controls: each check sees such a loop
         assert all(loops_over_a_pool(decoder.package_path(one), first_pool_input=5) == [] for one in (True, False))
     else:
         for pool in (cache.k[0], cache.v[0], cache.k_scales[0]):
