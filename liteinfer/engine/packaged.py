@@ -74,7 +74,6 @@ class PackagedDecoder:
 
     def __init__(self, model: nn.Module, kv_cache: KVCache, hf_config: PretrainedConfig):
         self.step = _DecodeStep(model, kv_cache)
-        self.kv_cache = kv_cache
         self.pool = kv_cache.tensors()
         self.hf_config = hf_config
         self.packages: dict[bool, AOTICompiledModel] = {}  # by "a batch of one"
@@ -135,7 +134,7 @@ class PackagedDecoder:
             try:
                 program = torch.export.export(self.step, inputs, dynamic_shapes=dynamic_shapes, strict=False)
             finally:
-                self.kv_cache.bind(self.step.model)  # tracing bound the layers to its own stand-ins
+                self.step.kv_cache.bind(self.step.model)  # tracing bound the layers to its own stand-ins
             # A copy of the settings: the call adds its own to the dict it is given, which the key hashes.
             torch._inductor.aoti_compile_and_package(program, package_path=str(partial),
                                                      inductor_configs=dict(_INDUCTOR_CONFIG))
