@@ -62,10 +62,12 @@ weight takes scales_and_zeros [out, 2, in / 32] fp16 holding each row's scales a
 x's dtype (a row's scales, then its zeros, one per group of 32 inputs), W being (level - 8) * scale + zero. On x86
 CPUs with AVX2, int8 and int4 weights are multiplied in integers against x rounded to 16-bit levels per group of 64
 inputs (each input off by at most half of its group's largest |x| / 32767). Batches of five rows or more meet them
-dequantized instead: bf16 x on CPUs with AMX in AMX tiles; otherwise, on CPUs with AVX-512 BF16 and where the output
-count is a multiple of 16, in the packed linears' tiles (on CPUs with AVX2 alone: bf16 x, from sixteen rows).
-Dequantized, fp32 meets the weights exactly and bf16 meets them rounded to bf16 (off by at most half a bf16 step, as
-the bf16 model's own are), so that a row alone and the same row in such a batch can differ by those roundings.
+otherwise: on CPUs with AMX in AMX tiles, bf16 x against the weights dequantized to bf16, fp32 x as three exact bf16
+parts against the weights' levels, each group's sums scaled and offset in fp32 (to fp32's accuracy); on other CPUs
+with AVX-512 BF16, where the output count is a multiple of 16, dequantized in the packed linears' tiles (on CPUs with
+AVX2 alone: bf16 x, from sixteen rows). fp32 then meets the weights exactly and bf16 meets them rounded to bf16 (off
+by at most half a bf16 step, as the bf16 model's own are), so that a row alone and the same row in such a batch can
+differ by those roundings.
 `gemv_quantized_form(dtype, rows, outputs)` -> "integer", "amx" or "dequantized" names the form a shape takes.
 
 `argmax(logits [rows, vocab] fp32 or bf16)` -> [rows] int64: the first index of each row's largest value, as

@@ -619,6 +619,11 @@ struct Int8Rows {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
   }
 #endif
+#if defined(__AVX512BF16__)
+  __m512i bf16_levels(int64_t row, int64_t g) const {  // group g's 32 levels as bf16 (exact: 8 significant bits)
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(levels(row, g, 1)), _mm512_cvtepi32_ps(levels(row, g, 0)));
+  }
+#endif
 };
 
 template <typename scale_type>
@@ -644,6 +649,14 @@ struct Int4Rows {
 #endif
 #if defined(__AVX512F__)
   __m512i levels(int64_t row, int64_t g, int half) const { return _mm512_cvtepu16_epi32(levels16(row, g, half)); }
+#endif
+#if defined(__AVX512BF16__)
+  __m512i bf16_levels(int64_t row, int64_t g) const {  // group g's 32 levels - 8 as bf16, looked up in 16-bit lanes
+    static const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(
+        _mm512_setzero_ps(), _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(levels16(row, g, 0)), levels16(row, g, 1), 1);
+    return _mm512_permutexvar_epi16(both, table);
+  }
 #endif
 };
 
@@ -739,14 +752,23 @@ inline __m512 dequantized16(const Weights& weights, int64_t row, int64_t g, int 
 
 #if defined(LITEINFER_AMX) && defined(LITEINFER_GEMV_INT16_INPUTS) && defined(__AVX512BF16__)
 #define LITEINFER_GEMV_AMX
-// bf16 rows of x against int8 or int4 weights, on CPUs with AMX, from kDequantizedMinRows rows up: each thread
-// dequantizes 32 rows of W at a time to bf16 ((q + offset) * scale + zero in fp32, rounded to nearest even) into a
-// buffer in L2, and multiplies them in tiles, the transposed product y^T = W x^T: W's rows are then the first operand
-// as they are (a tile: 16 rows of W by one group of 32 inputs), and x, small, is what gets rearranged (once a call:
-// its pairs of inputs side by side for 16 rows, the second operand's layout). A pass keeps 2 x 2 tiles of sums: 32
-// rows of W by 32 rows of x. The weights' rounding to bf16 (2^-9) is the model's own precision in bf16; a row's
+// Rows of x against int8 or int4 weights, on CPUs with AMX, from kDequantizedMinRows rows up, in the transposed
+// product y^T = W x^T: W's rows are then the tiles' first operand as they are (a tile: 16 rows of W by one group of
+// 32 inputs), and x, small, is what gets rearranged (once a call: its pairs of inputs side by side for 16 rows, the
+// second operand's layout). Each thread turns 32 rows of W at a time into bf16 tiles in a buffer in L2. A row's
 // result does not depend on the other rows, but differs from the integer form's, which fewer rows take.
+//  - bf16 x: W dequantized to bf16 ((q + offset) * scale + zero in fp32, rounded to nearest even: 2^-9, the model's
+//    own precision in bf16), summed over all inputs in the tiles; a pass keeps 2 x 2 tiles of sums, 32 rows of W by
+//    32 rows of x.
+//  - fp32 x, to fp32's accuracy: an fp32 value is exactly the sum of three bf16 values (its top 8 significant bits,
+//    the next 8, the last 8), a level q + offset is exactly a bf16 value (int8: -128..127, int4: -8..7), and a
+//    product of two bf16 values is exact in fp32. So W's tiles hold its levels, x's three parts each make a second
+//    operand, and a group's three products are summed in the tiles in fp32; the group's scale and zero then meet
+//    those sums in fp32, s * sum(level x) + z * sum(x), where they would have rounded each weight. It replaced the
+//    packed fp32 tiles over dequantized W here, whose FMAs run at a sixteenth of AMX's products' rate
+//    (docs/benchmarks.md).
 constexpr int64_t kAmxBlock = 16;
+constexpr int64_t kAmxTile = kAmxBlock * kInt8Group;  // elements of a tile of W: 16 rows by a group of 32 inputs
 
 // x [m, k] bf16 as tiles of 16 rows (the last zero-padded): for each pair of inputs, the 16 rows' pairs side by side.
 // Past 128 rows the threads share the tiles, and nothing is zeroed first (every element is written): done by one
@@ -770,20 +792,65 @@ std::unique_ptr<int32_t[]> amx_x_pairs(const c10::BFloat16* x, int64_t m, int64_
   return out;
 }
 
-// Rows [row0, row0 + 32) of W (those past n as zeros) in bf16, as tiles: for each group of 32 inputs, the 16 rows
-// of each block of 16 side by side ([block][group][16][32]). While a row is dequantized, the same row of the next
-// 32 (below `prefetch_end`) is requested into L2, a line every line's worth of groups: without it the conversions
-// waited on the levels' loads (the hardware's prefetcher alone, ~7 GB/s a core), and SmolLM2's int8 linears at 16
-// and 32 rows took ~1.2x their time, int4 ~1.1x (docs/benchmarks.md).
+// x as the tiles' second operand: bf16 x itself; fp32 x as its three bf16 parts, with each row's sum over each group
+// of inputs (the zeros' factor).
+template <typename x_t>
+struct AmxInputs;
+
+template <>
+struct AmxInputs<c10::BFloat16> {
+  std::unique_ptr<int32_t[]> pairs;
+  AmxInputs(const c10::BFloat16* x, int64_t m, int64_t k) : pairs(amx_x_pairs(x, m, k)) {}
+};
+
+template <>
+struct AmxInputs<float> {
+  static constexpr int kParts = 3;
+  std::unique_ptr<int32_t[]> parts[kParts];
+  std::unique_ptr<float[]> group_sums;  // [tile of 16 rows][group][16 rows]: zero past m
+  AmxInputs(const float* x, int64_t m, int64_t k) {
+    const int64_t groups = k / kInt8Group, tiles = (m + kAmxBlock - 1) / kAmxBlock;
+    // parts[p][r * k + i]: x[r, i]'s part p. Each part keeps the top half of what the parts before left (a
+    // truncation, so every subtraction is exact and the rest fits the next part).
+    std::unique_ptr<c10::BFloat16[]> split(new c10::BFloat16[kParts * m * k]);
+    group_sums.reset(new float[tiles * groups * kAmxBlock]());
+    at::parallel_for(0, m, kAmxBlock, [&](int64_t begin, int64_t end) {
+      const __m512i top = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t i = 0; i < k; i += 16) {
+          __m512 rest = _mm512_loadu_ps(x + r * k + i);
+          for (int p = 0; p < kParts; ++p) {
+            const __m512i bits = _mm512_and_si512(_mm512_castps_si512(rest), top);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(split.get() + (p * m + r) * k + i),
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+            rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(bits));
+          }
+        }
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* v = x + r * k + g * kInt8Group;
+          group_sums[(r / kAmxBlock * groups + g) * kAmxBlock + r % kAmxBlock] =
+              _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(v), _mm512_loadu_ps(v + 16)));
+        }
+    });
+    for (int p = 0; p < kParts; ++p) parts[p] = amx_x_pairs(split.get() + p * m * k, m, k);
+  }
+};
+
+// Rows [row0, row0 + 32) of W (those past n as zeros) dequantized to bf16, as tiles: for each group of 32 inputs, the
+// 16 rows of each block of 16 side by side ([block][group][16][32]). While a row is dequantized, the same row of the
+// next 32 (below `prefetch_end`) is requested into L2, a line every line's worth of groups: without it the
+// conversions waited on the levels' loads (the hardware's prefetcher alone, ~7 GB/s a core), and SmolLM2's int8
+// linears at 16 and 32 rows took ~1.2x their time, int4 ~1.1x (docs/benchmarks.md).
 template <typename Weights>
 void amx_dequantize(const Weights& weights, int64_t row0, int64_t n, int64_t prefetch_end, c10::BFloat16* out) {
-  constexpr int64_t rows = 2 * kAmxBlock, tile = kAmxBlock * kInt8Group;
+  constexpr int64_t rows = 2 * kAmxBlock;
   const int64_t groups = weights.groups(), group_bytes = weights.level_bytes() / groups;
   for (int64_t i = 0; i < rows; ++i) {
-    c10::BFloat16* tile_row = out + i / kAmxBlock * groups * tile + i % kAmxBlock * kInt8Group;
+    c10::BFloat16* tile_row = out + i / kAmxBlock * groups * kAmxTile + i % kAmxBlock * kInt8Group;
     const int64_t row = row0 + i;
     if (row >= n) {
-      for (int64_t g = 0; g < groups; ++g) _mm512_storeu_si512(tile_row + g * tile, _mm512_setzero_si512());
+      for (int64_t g = 0; g < groups; ++g) _mm512_storeu_si512(tile_row + g * kAmxTile, _mm512_setzero_si512());
       continue;
     }
     const char* next = row + rows < prefetch_end ? static_cast<const char*>(weights.levels_of(row + rows)) : nullptr;
@@ -796,18 +863,87 @@ void amx_dequantize(const Weights& weights, int64_t row0, int64_t n, int64_t pre
         if (next != nullptr && offset % liteinfer::packed::LINE == 0) _mm_prefetch(next + offset, _MM_HINT_T1);
         const __m512 first = dequantized16(weights, row, g0 + j, 0, s[j], z[j]),
                      second = dequantized16(weights, row, g0 + j, 1, s[j], z[j]);
-        _mm512_storeu_si512(tile_row + (g0 + j) * tile, (__m512i)_mm512_cvtne2ps_pbh(second, first));
+        _mm512_storeu_si512(tile_row + (g0 + j) * kAmxTile, (__m512i)_mm512_cvtne2ps_pbh(second, first));
       }
     }
   }
 }
 
-// y [rows of x, n] for the 2 x XT tiles of sums: 32 rows of W (from row0) by XT tiles of 16 rows of x (from r0).
+// Group g of rows [row0, row0 + 32) of W (those past n as zeros) as two tiles of their levels (block b at tiles + b *
+// kAmxTile), converted just before the tiles take them (in L1); the same row of the next 32 (below `prefetch_end`)
+// requested into L2 a line every line's worth of groups, as amx_dequantize does.
+template <typename Weights>
+void amx_level_tiles(const Weights& weights, int64_t row0, int64_t n, int64_t g, int64_t prefetch_end,
+                     c10::BFloat16* tiles) {
+  const int64_t offset = g * (weights.level_bytes() / weights.groups());
+  const bool prefetch = offset % liteinfer::packed::LINE == 0;
+  for (int64_t i = 0; i < 2 * kAmxBlock; ++i) {
+    const int64_t row = row0 + i;
+    __m512i levels = _mm512_setzero_si512();
+    if (row < n) {
+      levels = weights.bf16_levels(row, g);
+      if (prefetch && row + 2 * kAmxBlock < prefetch_end)
+        _mm_prefetch(static_cast<const char*>(weights.levels_of(row + 2 * kAmxBlock)) + offset, _MM_HINT_T1);
+    }
+    _mm512_store_si512(tiles + i * kInt8Group, levels);
+  }
+}
+
+// The scales and zeros of rows [row0, row0 + 32) of W in fp32, [row][scales, then zeros][group] (zeros past n),
+// for the fp32 path's sums.
+template <typename Weights>
+void amx_factors(const Weights& weights, int64_t row0, int64_t n, int64_t prefetch_end, float* out) {
+  const int64_t groups = weights.groups();
+  for (int64_t i = 0; i < 2 * kAmxBlock; ++i) {
+    float* row_factors = out + i * 2 * groups;
+    if (row0 + i >= n) {
+      std::fill_n(row_factors, 2 * groups, 0.f);
+      continue;
+    }
+    const typename Weights::scale_t* scales = weights.scales(row0 + i);
+    if (row0 + i + 2 * kAmxBlock < prefetch_end) {  // the same row of the next 32, as amx_dequantize does its levels
+      const char* next = reinterpret_cast<const char*>(weights.scales(row0 + i + 2 * kAmxBlock));
+      for (int64_t b = 0; b < 2 * groups * static_cast<int64_t>(sizeof(*scales)); b += liteinfer::packed::LINE)
+        _mm_prefetch(next + b, _MM_HINT_T1);
+    }
+    for (int64_t g0 = 0; g0 < 2 * groups; g0 += 16) {  // a row's scales and zeros lie side by side
+      const int64_t count = std::min<int64_t>(16, 2 * groups - g0);
+      _mm512_mask_storeu_ps(row_factors + g0, static_cast<__mmask16>((1u << count) - 1),
+                            Int8Vectors::widen(scales + g0, count));
+    }
+  }
+}
+
+// y rows [r0, min(m, r0 + 16 XT)) at outputs [row0, row0 + 32) from sums [2 blocks of W + 2 x tile][row of W][row of
+// x], plus the bias.
+template <int XT, typename x_t>
+void amx_store(const float (*sums)[kAmxBlock][kAmxBlock], const x_t* bias, x_t* y, int64_t row0, int64_t r0,
+               int64_t m, int64_t n) {
+  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  for (int t = 0; t < XT; ++t)
+    for (int64_t r = 0; r < std::min(kAmxBlock, m - r0 - t * kAmxBlock); ++r)
+      for (int b = 0; b < 2; ++b) {
+        const int64_t out0 = row0 + b * kAmxBlock;
+        if (out0 >= n) continue;
+        const int64_t outputs = std::min(kAmxBlock, n - out0);
+        const __mmask16 valid = static_cast<__mmask16>((1u << outputs) - 1);
+        __m512 v = _mm512_i32gather_ps(column, &sums[2 * t + b][0][r], 4);
+        if (bias) v = _mm512_add_ps(v, Int8Vectors::widen(bias + out0, outputs));
+        x_t* out = y + (r0 + t * kAmxBlock + r) * n + out0;
+        if constexpr (std::is_same_v<x_t, float>)
+          _mm512_mask_storeu_ps(out, valid, v);
+        else
+          _mm256_mask_storeu_epi16(out, valid, (__m256i)_mm512_cvtneps_pbh(v));
+      }
+}
+
+// bf16: y for the 2 x XT tiles of sums, 32 rows of W (from row0) by XT tiles of 16 rows of x (from r0).
 template <int XT>
-void amx_pass(const c10::BFloat16* weights, const int32_t* x_pairs, int64_t groups, const c10::BFloat16* bias,
+void amx_pass(const c10::BFloat16* weights, const AmxInputs<c10::BFloat16>& x, int64_t groups, const c10::BFloat16* bias,
               c10::BFloat16* y, int64_t row0, int64_t r0, int64_t m, int64_t n) {
-  constexpr int64_t tile_bytes = 64, tile_elems = kAmxBlock * kInt8Group;
-  const int64_t x_tile = groups * tile_elems / 2;  // int32 pairs per 16 rows of x
+  constexpr int64_t tile_bytes = 64;
+  const int32_t* x_pairs = x.pairs.get() + r0 / kAmxBlock * groups * kAmxTile / 2;
+  const int64_t x_tile = groups * kAmxTile / 2;  // int32 pairs per 16 rows of x
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (XT == 2) {
@@ -815,13 +951,13 @@ void amx_pass(const c10::BFloat16* weights, const int32_t* x_pairs, int64_t grou
     _tile_zero(3);
   }
   for (int64_t g = 0; g < groups; ++g) {
-    _tile_loadd(4, weights + g * tile_elems, tile_bytes);
-    _tile_loadd(5, weights + (groups + g) * tile_elems, tile_bytes);
-    _tile_loadd(6, x_pairs + g * tile_elems / 2, tile_bytes);
+    _tile_loadd(4, weights + g * kAmxTile, tile_bytes);
+    _tile_loadd(5, weights + (groups + g) * kAmxTile, tile_bytes);
+    _tile_loadd(6, x_pairs + g * kAmxTile / 2, tile_bytes);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 5, 6);
     if constexpr (XT == 2) {
-      _tile_loadd(7, x_pairs + x_tile + g * tile_elems / 2, tile_bytes);
+      _tile_loadd(7, x_pairs + x_tile + g * kAmxTile / 2, tile_bytes);
       _tile_dpbf16ps(2, 4, 7);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -833,49 +969,118 @@ void amx_pass(const c10::BFloat16* weights, const int32_t* x_pairs, int64_t grou
     _tile_stored(2, sums[2], tile_bytes);
     _tile_stored(3, sums[3], tile_bytes);
   }
-  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
-  for (int t = 0; t < XT; ++t)
-    for (int64_t r = 0; r < std::min(kAmxBlock, m - r0 - t * kAmxBlock); ++r)
-      for (int b = 0; b < 2; ++b) {
-        const int64_t out0 = row0 + b * kAmxBlock;
-        if (out0 >= n) continue;
-        const int64_t outputs = std::min(kAmxBlock, n - out0);
-        const __mmask16 valid = static_cast<__mmask16>((1u << outputs) - 1);
-        __m512 v = _mm512_i32gather_ps(column, &sums[2 * t + b][0][r], 4);
-        if (bias) v = _mm512_add_ps(v, Int8Vectors::widen(bias + out0, outputs));
-        _mm256_mask_storeu_epi16(y + (r0 + t * kAmxBlock + r) * n + out0, valid, (__m256i)_mm512_cvtneps_pbh(v));
-      }
+  amx_store<XT>(sums, bias, y, row0, r0, m, n);
 }
 
-template <typename Weights>
-void amx_rows(const Weights& weights, const c10::BFloat16* x, const c10::BFloat16* bias, c10::BFloat16* y,
-              int64_t m, int64_t n) {
+// fp32: y for the 2 x XT tiles of sums, 32 rows of W (from row0, `factors` from amx_factors) by XT tiles of 16 rows
+// of x (from r0). Group g's level tiles are at levels + (g % ring) * 2 kAmxTile, converted there first when
+// `convert` (the first pass over these rows of W). A group's sums leave the tiles for its scales and zeros, into
+// totals kept in L1; group g's are taken after g + 1's products are under way, so that the vector work and the
+// tiles' overlap. x's three parts take turns in the second operand's tiles, so that each tile of sums meets a part's
+// product while the others take theirs (a product waits on the one before it in the same tile).
+template <int XT, typename Weights>
+void amx_pass(const Weights& weights, bool convert, c10::BFloat16* levels, int64_t ring, const float* factors,
+              const AmxInputs<float>& x, const float* bias, float* y, int64_t row0, int64_t r0, int64_t m, int64_t n,
+              int64_t prefetch_end) {
+  constexpr int64_t tile_bytes = 64;
+  const int64_t groups = weights.groups();
+  const int64_t x_offset = r0 / kAmxBlock * groups * kAmxTile / 2, x_tile = groups * kAmxTile / 2;
+  const float* group_sums = x.group_sums.get() + r0 / kAmxBlock * groups * kAmxBlock;
+  alignas(64) float totals[2 * XT][kAmxBlock][kAmxBlock] = {};  // [W block + 2 x tile][row of W][row of x]
+  alignas(64) float sums[2][2 * XT][kAmxBlock][kAmxBlock];  // group g's in sums[g % 2]
+  auto add_group = [&](int64_t g) {
+    for (int t = 0; t < XT; ++t) {
+      const __m512 x_sums = _mm512_loadu_ps(group_sums + (t * groups + g) * kAmxBlock);
+      for (int b = 0; b < 2; ++b)
+        for (int i = 0; i < kAmxBlock; ++i) {
+          const float* f = factors + (b * kAmxBlock + i) * 2 * groups;
+          __m512 total = _mm512_load_ps(totals[2 * t + b][i]);
+          total = _mm512_fmadd_ps(_mm512_set1_ps(f[g]), _mm512_load_ps(sums[g % 2][2 * t + b][i]), total);
+          _mm512_store_ps(totals[2 * t + b][i], _mm512_fmadd_ps(_mm512_set1_ps(f[groups + g]), x_sums, total));
+        }
+    }
+  };
+  auto tiles_of = [&](int64_t g) { return levels + g % ring * 2 * kAmxTile; };
+  if (convert) amx_level_tiles(weights, row0, n, 0, prefetch_end, tiles_of(0));
+  for (int64_t g = 0; g < groups; ++g) {
+    c10::BFloat16* tiles = tiles_of(g);
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (XT == 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    _tile_loadd(4, tiles, tile_bytes);
+    _tile_loadd(5, tiles + kAmxTile, tile_bytes);
+    for (int p = 0; p < AmxInputs<float>::kParts; ++p) {
+      const int32_t* part = x.parts[p].get() + x_offset + g * kAmxTile / 2;
+      _tile_loadd(6, part, tile_bytes);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 5, 6);
+      if constexpr (XT == 2) {
+        _tile_loadd(7, part + x_tile, tile_bytes);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    if (convert && g + 1 < groups) amx_level_tiles(weights, row0, n, g + 1, prefetch_end, tiles_of(g + 1));
+    if (g > 0) add_group(g - 1);
+    _tile_stored(0, sums[g % 2][0], tile_bytes);
+    _tile_stored(1, sums[g % 2][1], tile_bytes);
+    if constexpr (XT == 2) {
+      _tile_stored(2, sums[g % 2][2], tile_bytes);
+      _tile_stored(3, sums[g % 2][3], tile_bytes);
+    }
+  }
+  add_group(groups - 1);
+  amx_store<XT>(totals, bias, y, row0, r0, m, n);
+}
+
+template <typename Weights, typename x_t>
+void amx_rows(const Weights& weights, const x_t* x, const x_t* bias, x_t* y, int64_t m, int64_t n) {
+  constexpr bool fp32 = std::is_same_v<x_t, float>;
   const int64_t k = weights.k, groups = weights.groups(), row_pairs = (n + 2 * kAmxBlock - 1) / (2 * kAmxBlock);
-  const int64_t pair_elements = 2 * kAmxBlock * k;  // a pair of blocks of W, dequantized
-  // Over more than kRowsPerPass rows a thread dequantizes liteinfer::kAmxChunkBytes of its pairs at once and runs
-  // every kRowsPerPass rows over them before the next: W dequantized once a call.
+  const int64_t pair_elements = 2 * kAmxBlock * k, pair_factors = 2 * kAmxBlock * 2 * groups;
+  // Over more than kRowsPerPass rows a thread converts liteinfer::kAmxChunkBytes of its pairs at once and runs
+  // every kRowsPerPass rows over them before the next: W converted once a call. fp32 converts a pair's groups as its
+  // first pass takes them, into the pair's buffer, or over 32 rows of x at most (one pass a pair) into two groups'.
   const int64_t chunk =
       m > kRowsPerPass ? std::max<int64_t>(1, liteinfer::kAmxChunkBytes / (2 * pair_elements)) : 1;
-  const std::unique_ptr<int32_t[]> x_pairs = amx_x_pairs(x, m, k);
+  const int64_t ring = fp32 && m <= 2 * kAmxBlock ? 2 : groups;
+  const AmxInputs<x_t> inputs(x, m, k);
   at::parallel_for(0, row_pairs, 1, [&](int64_t begin, int64_t end) {
     const liteinfer::TileConfig config(8);
     _tile_loadconfig(&config);
-    c10::BFloat16* dequantized = thread_buffer<c10::BFloat16>(chunk * pair_elements);
+    c10::BFloat16* converted = thread_buffer<c10::BFloat16>(chunk * ring * 2 * kAmxTile);
+    float* factors = fp32 ? thread_buffer<float>(chunk * pair_factors) : nullptr;
     const int64_t prefetch_end = std::min(n, end * 2 * kAmxBlock);  // the end of the thread's rows of W
     for (int64_t c0 = begin; c0 < end; c0 += chunk) {
       const int64_t c_end = std::min(end, c0 + chunk);
-      for (int64_t pair = c0; pair < c_end; ++pair)
-        amx_dequantize(weights, pair * 2 * kAmxBlock, n, prefetch_end, dequantized + (pair - c0) * pair_elements);
+      for (int64_t pair = c0; pair < c_end; ++pair) {
+        c10::BFloat16* w = converted + (pair - c0) * ring * 2 * kAmxTile;
+        if constexpr (fp32)
+          amx_factors(weights, pair * 2 * kAmxBlock, n, prefetch_end, factors + (pair - c0) * pair_factors);
+        else
+          amx_dequantize(weights, pair * 2 * kAmxBlock, n, prefetch_end, w);
+      }
       for (int64_t m0 = 0; m0 < m; m0 += kRowsPerPass) {
         const int64_t m_end = std::min(m, m0 + kRowsPerPass);
         for (int64_t pair = c0; pair < c_end; ++pair) {
-          const c10::BFloat16* w = dequantized + (pair - c0) * pair_elements;
+          c10::BFloat16* w = converted + (pair - c0) * ring * 2 * kAmxTile;
+          const int64_t row0 = pair * 2 * kAmxBlock;
           for (int64_t r0 = m0; r0 < m_end; r0 += 2 * kAmxBlock) {
-            const int32_t* tiles = x_pairs.get() + r0 / kAmxBlock * groups * kAmxBlock * kAmxBlock;
-            if (m_end - r0 > kAmxBlock)
-              amx_pass<2>(w, tiles, groups, bias, y, pair * 2 * kAmxBlock, r0, m_end, n);
-            else
-              amx_pass<1>(w, tiles, groups, bias, y, pair * 2 * kAmxBlock, r0, m_end, n);
+            const bool two = m_end - r0 > kAmxBlock;
+            if constexpr (fp32) {
+              const float* f = factors + (pair - c0) * pair_factors;
+              if (two)
+                amx_pass<2>(weights, r0 == 0, w, ring, f, inputs, bias, y, row0, r0, m_end, n, prefetch_end);
+              else
+                amx_pass<1>(weights, r0 == 0, w, ring, f, inputs, bias, y, row0, r0, m_end, n, prefetch_end);
+            } else if (two) {
+              amx_pass<2>(w, inputs, groups, bias, y, row0, r0, m_end, n);
+            } else {
+              amx_pass<1>(w, inputs, groups, bias, y, row0, r0, m_end, n);
+            }
           }
         }
       }
@@ -886,7 +1091,7 @@ void amx_rows(const Weights& weights, const c10::BFloat16* x, const c10::BFloat1
 #endif
 
 #if defined(LITEINFER_GEMV_DEQUANTIZED)
-// Rows of x in a dtype the packed linears' tiles take (AVX-512 BF16: fp32 and bf16, where AMX does not take bf16;
+// Rows of x in a dtype the packed linears' tiles take (AVX-512 BF16: fp32 and bf16, where AMX does not take them;
 // AVX2: bf16), against int8 or int4 weights with whole blocks of 16 outputs, from kDequantizedMinRows rows up: each
 // thread dequantizes a group of 48 rows of W (three blocks of 16, kernels/packed_tile.h) at a time into the packed
 // linears' layout, in x's dtype, into a buffer in L2, and runs every row of x through the packed linears' tiles over
@@ -1063,7 +1268,7 @@ enum class QuantizedForm { integer, amx, dequantized };
 
 QuantizedForm quantized_form(at::ScalarType dtype, int64_t m, int64_t n) {
 #if defined(LITEINFER_GEMV_AMX)
-  if (dtype == at::kBFloat16 && m >= kDequantizedMinRows && liteinfer::amx_permitted()) return QuantizedForm::amx;
+  if (m >= kDequantizedMinRows && liteinfer::amx_permitted()) return QuantizedForm::amx;
 #endif
 #if defined(LITEINFER_GEMV_DEQUANTIZED)
   const bool tiles = dtype == at::kBFloat16 || liteinfer::packed::FLOAT_TILES;
@@ -1115,9 +1320,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
       auto multiply = [&](const auto& weights) {
         const QuantizedForm form = quantized_form(x.scalar_type(), m, n);
 #if defined(LITEINFER_GEMV_AMX)
-        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-          if (form == QuantizedForm::amx) return amx_rows(weights, xs, b_data, y_data, m, n);
-        }
+        if (form == QuantizedForm::amx) return amx_rows(weights, xs, b_data, y_data, m, n);
 #endif
 #if defined(LITEINFER_GEMV_DEQUANTIZED)
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || liteinfer::packed::FLOAT_TILES) {

@@ -3,8 +3,9 @@ with a scale and a zero per group of 32 inputs.
 
 Weights are quantized once loaded, from the loaded float weights (no calibration data); activations keep the
 model's dtype, and our kernel (kernels/gemv.cpp) multiplies them by the quantized weights directly, at any number of
-rows (larger batches through the weights dequantized, a few dozen rows of W at a time, into AMX's or the packed
-linears' tiles: kernels/__init__.py says where). At batch 1 a
+rows (larger batches a few dozen rows of W at a time in AMX's tiles or, dequantized, in the packed linears':
+kernels/__init__.py says where and to what accuracy). Weights that are already such groups come back exactly (a
+GGUF's Q4_1 and Q8_0 blocks: SmolLM2's layers and embeddings). At batch 1 a
 decode step streams every weight from memory once, so fewer bytes per weight is fewer milliseconds per token; large
 batches are bound by arithmetic instead, where quantized weights save memory rather than time (docs/benchmarks.md).
 """

@@ -1,11 +1,16 @@
 """Weight-only int8/int4 through the engine: the tiny model here; SmolLM2's agreement rate in the slow test."""
 
 import pytest
+import torch
 from agreement import BUDGET, CONVERSATIONS, PARAMS, assert_agrees_with_fp32_as_closely_as_bf16, chat_tokens
+from safetensors.torch import load_file
 
 from liteinfer import LLM, SamplingParams
+from liteinfer.config import DEFAULT_MODEL
 from liteinfer.layers.linear import Linear
-from liteinfer.layers.quantization import Int8Weight
+from liteinfer.layers.quantization import Int4Weight, Int8Weight
+from liteinfer.models.loader import safetensors_files
+from liteinfer.models.source import resolve_model
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,"]
 
@@ -35,8 +40,9 @@ def test_int4_engine_quantizes_every_linear_and_generates(tiny_llama_dir):
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_one_sequence_and_a_batch_compute_the_same_weights(tiny_llama_dir, method):
-    # One kernel for any rows, a row's result independent of the others (tests/unit/test_gemv_kernel.py); in fp32
-    # no path depends on the batch (bf16 batches of five rows or more take AMX tiles on CPUs that have them).
+    # One kernel for any rows, a row's result independent of the others (tests/unit/test_gemv_kernel.py); batches of
+    # five rows or more take another form than fewer (x rounded to 16-bit levels below five rows, not from five), so
+    # the prompts here (five rows or more alone and together) and the decodes (fewer) meet one form either way.
     llm = LLM(str(tiny_llama_dir), dtype="float32", quantization=method)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     alone = llm.generate(PROMPTS[:1], params)[0].outputs[0]
@@ -70,6 +76,19 @@ def test_smollm2_quantized_agrees_with_fp32_as_closely_as_bf16_does(method):
     tokens = chat_tokens(LLM(**BUDGET, dtype="float32", quantization=method))
     identical = assert_agrees_with_fp32_as_closely_as_bf16(tokens, method, NEAR_TIE)
     assert identical > len(CONVERSATIONS) / 2
+
+
+@pytest.mark.slow
+def test_smollm2_int4_holds_its_fp32_weights_exactly():
+    """SmolLM2's GGUF stores its layers as Q4_1 and its embeddings (the tied LM head) as Q8_0: int4 (whose head is
+    int8) holds exactly the values the fp32 engine loads, so with fp32 activations it is the fp32 model, computed
+    to fp32's accuracy in batches (tests/unit/test_gemv_kernel.py), rather than an approximation of it."""
+    source = resolve_model(DEFAULT_MODEL)
+    for file in safetensors_files(source.path):
+        for name, weight in load_file(file).items():
+            if weight.dim() == 2:
+                weight_cls = Int8Weight if "embed_tokens" in name else Int4Weight
+                assert torch.equal(weight_cls.dequantize_float(weight), weight), name
 
 
 @pytest.mark.slow

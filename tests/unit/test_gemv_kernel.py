@@ -95,26 +95,38 @@ def fp32_sum_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.float().abs() @ weight.float().abs().T * 2**-21
 
 
+def fp32_level_sum_bound(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:
+    """fp32_sum_bound for fp32 x in AMX tiles, which sum level * scale and zero apart (level * scale per group in the
+    tiles, then zero * the group's sum of x): of the sum of |x| (|level * scale| + |zero|)."""
+    dequantized = weight.dequantized(torch.float32)
+    zeros = weight.scales_and_zeros[:, 1].float().repeat_interleave(INT8_GROUP_SIZE, dim=1)
+    return fp32_sum_bound(x, (dequantized - zeros).abs() + zeros.abs())
+
+
 def quantized_form(x: torch.Tensor, out_features: int) -> str:
     """The form in which quantized weights with `out_features` outputs meet x on this CPU (kernels/gemv.cpp:
     quantized_form): "integer" (x rounded to 16-bit levels), "amx" or "dequantized" (the weights in x's dtype)."""
     return torch.ops.liteinfer.gemv_quantized_form(x.dtype, x.shape[0], out_features)
 
 
-def assert_quantized_gemv_close(out: torch.Tensor, x: torch.Tensor, dequantized: torch.Tensor,
+def assert_quantized_gemv_close(out: torch.Tensor, x: torch.Tensor, weight: Int8Weight | Int4Weight,
                                 bias: torch.Tensor | None, fp32_tolerance: dict) -> None:
     """The kernel's output against x dequantized^T (+ bias) in fp32: within `fp32_tolerance` (the sums' order) or one
-    bf16 step of the output, plus what rounding x to 16-bit levels (int16_rounding_bound) or, dequantized, the
-    weights to bf16 (bf16 x: bf16_weight_rounding_bound) or the sums' order (fp32 x: fp32_sum_bound) can move it."""
+    bf16 step of the output, plus what rounding x to 16-bit levels (int16_rounding_bound), the weights to bf16 (bf16
+    x, dequantized or in AMX tiles: bf16_weight_rounding_bound) or the sums' order (fp32 x: fp32_sum_bound, in AMX
+    tiles fp32_level_sum_bound) can move it."""
     # (PyTorch's own int8 kernel is no reference here: on some small bf16 shapes it returns NaN or crashes.)
+    dequantized = weight.dequantized(torch.float32)
     expected = F.linear(x.float(), dequantized, None if bias is None else bias.float())
     assert out.dtype == x.dtype and out.shape == expected.shape
     tolerance = fp32_tolerance if x.dtype == torch.float32 else BF16_ONE_STEP
-    if quantized_form(x, dequantized.shape[0]) == "integer":
+    form = quantized_form(x, dequantized.shape[0])
+    if form == "integer":
         rounding = int16_rounding_bound(x, dequantized)
+    elif x.dtype == torch.bfloat16:
+        rounding = bf16_weight_rounding_bound(x, dequantized)
     else:
-        bound = bf16_weight_rounding_bound if x.dtype == torch.bfloat16 else fp32_sum_bound
-        rounding = bound(x, dequantized)
+        rounding = fp32_level_sum_bound(x, weight) if form == "amx" else fp32_sum_bound(x, dequantized)
     allowed = rounding + tolerance["atol"] + tolerance["rtol"] * expected.abs()
     error = (out.float() - expected).abs()
     assert (error <= allowed).all(), f"largest excess {(error - allowed).max().item()}"
@@ -122,7 +134,7 @@ def assert_quantized_gemv_close(out: torch.Tensor, x: torch.Tensor, dequantized:
 
 def assert_int8_gemv_close(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> None:
     out = torch.ops.liteinfer.gemv(x, weight.q, weight.scales_and_zeros, bias)
-    assert_quantized_gemv_close(out, x, weight.dequantized(torch.float32), bias, FP32_REORDERED)
+    assert_quantized_gemv_close(out, x, weight, bias, FP32_REORDERED)
 
 
 @settings(max_examples=40, deadline=None)
@@ -186,23 +198,31 @@ def test_gemv_on_quantized_weights_gives_a_weight_row_the_same_result_beside_any
 
 
 @pytest.mark.parametrize("weight_cls", [Int8Weight, Int4Weight])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "out_features", "blocks"), [(5, 40, 2), (16, 49, 24), (17, 32, 1), (33, 96, 9),
                                                               (130, 20, 3), (300, 2000, 9)])
-def test_gemv_on_quantized_weights_in_amx_tiles_sums_the_weights_in_bf16(weight_cls, rows, out_features, blocks):
-    """On AMX CPUs, bf16 rows meet the weights dequantized to bf16: exactly x . bf16(W) summed in fp32 (shapes: one
-    tile of x rows and a pair of them, a row past them, passes of 128 rows; W's rows in pairs of 16 and past them;
-    blocks of 64 inputs; past 128 rows, 2,000 outputs of 576 inputs: 63 pairs of blocks of W, dequantized 14 at a
-    time, so a thread's share in several chunks)."""
+def test_gemv_on_quantized_weights_in_amx_tiles(weight_cls, dtype, rows, out_features, blocks):
+    """On AMX CPUs, batches meet the weights in AMX tiles (shapes: one tile of x rows and a pair of them, a row past
+    them, passes of 128 rows; W's rows in pairs of 16 and past them; blocks of 64 inputs; past 128 rows, 2,000
+    outputs of 576 inputs: 63 pairs of blocks of W, converted 14 at a time, so a thread's share in several chunks).
+    bf16: exactly x . bf16(W) summed in fp32. fp32: to fp32's accuracy, x split exactly into three bf16 parts against
+    W's levels, each group's sums then scaled and offset in fp32: against float64, within a few fp32 steps of the sum
+    of |x| times |level * scale| + |zero|, the terms the kernel adds."""
     assert kernels.load()
     torch.manual_seed(0)
-    x = torch.randn(rows, blocks * 64).bfloat16()
+    x = torch.randn(rows, blocks * 64).to(dtype)
     if quantized_form(x, out_features) != "amx":
         pytest.skip("this CPU has no AMX")
-    weight = weight_cls.from_float(torch.randn(out_features, x.shape[1]).bfloat16())
-    bias = torch.randn(out_features).bfloat16()
+    weight = weight_cls.from_float(torch.randn(out_features, x.shape[1]).to(dtype))
+    bias = torch.randn(out_features).to(dtype)
     out = torch.ops.liteinfer.gemv(x, weight.q, weight.scales_and_zeros, bias)
-    expected = F.linear(x.float(), weight.dequantized(torch.float32).bfloat16().float(), bias.float())
-    torch.testing.assert_close(out.float(), expected, **BF16_ONE_STEP)
+    dequantized = weight.dequantized(torch.float32)
+    if dtype == torch.bfloat16:
+        expected = F.linear(x.float(), dequantized.bfloat16().float(), bias.float())
+        torch.testing.assert_close(out.float(), expected, **BF16_ONE_STEP)
+        return
+    expected = F.linear(x.double(), dequantized.double(), bias.double())
+    assert ((out.double() - expected).abs() <= fp32_level_sum_bound(x, weight).double() + 1e-6).all()
 
 
 @pytest.mark.parametrize("weight_cls", [Int8Weight, Int4Weight])
@@ -211,7 +231,7 @@ def test_gemv_on_quantized_weights_in_amx_tiles_sums_the_weights_in_bf16(weight_
                                                               (16, 16, 1), (17, 48, 9), (33, 160, 4), (130, 32, 2)])
 def test_gemv_on_quantized_weights_in_packed_tiles_sums_the_dequantized_weights(weight_cls, dtype, rows,
                                                                                 out_features, blocks):
-    """Batches of five rows or more on CPUs with AVX-512 BF16 (bf16: where AMX does not take them), and bf16 batches
+    """Batches of five rows or more on CPUs with AVX-512 BF16 (where AMX does not take them), and bf16 batches
     of sixteen or more on CPUs with AVX2, meet the weights dequantized to x's dtype in the packed linears' tiles:
     x . W summed in fp32, W exact in fp32 and rounded to bf16 (nearest even) for bf16 (shapes: each build's least
     rows, tiles of eight rows and past them, groups of one to three blocks of 16 outputs and more than one group,
@@ -220,7 +240,7 @@ def test_gemv_on_quantized_weights_in_packed_tiles_sums_the_dequantized_weights(
     torch.manual_seed(0)
     x = torch.randn(rows, blocks * 64).to(dtype)
     if quantized_form(x, out_features) != "dequantized":
-        pytest.skip("this CPU takes this shape in another form (too few rows, fp32 without AVX-512 BF16, AMX for bf16)")
+        pytest.skip("this CPU takes this shape in another form (too few rows, fp32 without AVX-512 BF16, AMX tiles)")
     weight = weight_cls.from_float(torch.randn(out_features, x.shape[1]).to(dtype))
     bias = torch.randn(out_features).to(dtype)
     out = torch.ops.liteinfer.gemv(x, weight.q, weight.scales_and_zeros, bias)
@@ -268,7 +288,7 @@ def test_gemv_on_int4_weights_matches_fp32_arithmetic(rows, out_features, blocks
     out = torch.ops.liteinfer.gemv(x, weight.q, weight.scales_and_zeros, bias)
 
     # The kernel sums s (q · x) + (z - 8 s) (sum of x) per group: the same value, regrouped.
-    assert_quantized_gemv_close(out, x, weight.dequantized(torch.float32), bias, {"atol": 1e-4, "rtol": 1e-5})
+    assert_quantized_gemv_close(out, x, weight, bias, {"atol": 1e-4, "rtol": 1e-5})
 
 
 @pytest.mark.parametrize("weight_cls", [Int8Weight, Int4Weight])
@@ -284,7 +304,7 @@ def test_gemv_on_quantized_weights_reads_every_length_of_a_rows_last_chunk(weigh
         x = torch.randn(1, groups * INT8_GROUP_SIZE, generator=gen).to(dtype)
         weight = weight_cls.from_float(torch.randn(3, x.shape[1], generator=gen).to(dtype))
         out = torch.ops.liteinfer.gemv(x, weight.q, weight.scales_and_zeros, None)
-        assert_quantized_gemv_close(out, x, weight.dequantized(torch.float32), None, FP32_REORDERED)
+        assert_quantized_gemv_close(out, x, weight, None, FP32_REORDERED)
 
 
 def test_gemv_int4_layout_is_undone_by_gemv_int4_levels():
@@ -362,4 +382,4 @@ def test_quantized_weights_take_the_kernel_for_any_rows(weight_cls):
     for rows in (1, 3):
         x = torch.randn(rows, 64)
         assert "liteinfer::gemv" in ops_run(lambda x=x: weight(x))
-        assert_quantized_gemv_close(weight(x), x, weight.dequantized(torch.float32), None, {"atol": 1e-4, "rtol": 1e-5})
+        assert_quantized_gemv_close(weight(x), x, weight, None, {"atol": 1e-4, "rtol": 1e-5})

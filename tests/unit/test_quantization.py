@@ -1,3 +1,4 @@
+import gguf
 import pytest
 import torch
 
@@ -81,6 +82,20 @@ def test_int8_nearly_reproduces_4_bit_levels_in_its_groups():
     error = (Int8Weight.dequantize_float(weight) - weight).abs().view(64, 4, -1)
     assert (error <= 2**-10 * weight.abs().view(64, 4, -1).amax(-1, keepdim=True)).all()
     assert (error <= 0.3 * (d / 17) / 2).all()  # well inside half of int8's own step: the levels line up
+
+
+@pytest.mark.parametrize(("gguf_type", "weight_cls"), [("Q4_1", Int4Weight), ("Q8_0", Int8Weight)])
+def test_a_gguf_files_4_and_8_bit_groups_come_back_exactly(gguf_type, weight_cls):
+    """Weights read from a GGUF file's Q4_1 blocks (d * q + m per group of 32, as SmolLM2's layers are stored) are
+    int4's exactly, and its Q8_0 blocks (d * q: SmolLM2's embeddings and tied head) int8's: the quantized engine then
+    holds the very values the float engine loads, and in fp32 computes with them to fp32's accuracy
+    (kernels/gemv.cpp), not with an approximation of them."""
+    torch.manual_seed(0)
+    values = (torch.randn(96, 4 * 64) * 0.05).numpy()
+    quant_type = getattr(gguf.GGMLQuantizationType, gguf_type)
+    weight = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(values, quant_type), quant_type))
+    assert not torch.equal(weight, torch.from_numpy(values))  # the file's values, not the ones it was made from
+    assert torch.equal(weight_cls.dequantize_float(weight), weight)
 
 
 def test_int8_keeps_a_group_of_equal_values_and_refuses_values_beyond_fp16():
