@@ -765,7 +765,7 @@ inline __m512 dequantized16(const Weights& weights, int64_t row, int64_t g, int 
 //    product of two bf16 values is exact in fp32. So W's tiles hold its levels, x's three parts each make a second
 //    operand, and a group's three products are summed in the tiles in fp32; the group's scale and zero then meet
 //    those sums in fp32, s * sum(level x) + z * sum(x), where they would have rounded each weight. It replaced the
-//    packed fp32 tiles over dequantized W here, whose FMAs run at a sixteenth of AMX's products' rate
+//    packed fp32 tiles over dequantized W here: SmolLM2's int4 linears at 16 and 32 rows in ~0.75x their time
 //    (docs/benchmarks.md).
 constexpr int64_t kAmxBlock = 16;
 constexpr int64_t kAmxTile = kAmxBlock * kInt8Group;  // elements of a tile of W: 16 rows by a group of 32 inputs
@@ -939,8 +939,8 @@ void amx_store(const float (*sums)[kAmxBlock][kAmxBlock], const x_t* bias, x_t* 
 
 // bf16: y for the 2 x XT tiles of sums, 32 rows of W (from row0) by XT tiles of 16 rows of x (from r0).
 template <int XT>
-void amx_pass(const c10::BFloat16* weights, const AmxInputs<c10::BFloat16>& x, int64_t groups, const c10::BFloat16* bias,
-              c10::BFloat16* y, int64_t row0, int64_t r0, int64_t m, int64_t n) {
+void amx_pass(const c10::BFloat16* weights, const AmxInputs<c10::BFloat16>& x, int64_t groups,
+              const c10::BFloat16* bias, c10::BFloat16* y, int64_t row0, int64_t r0, int64_t m, int64_t n) {
   constexpr int64_t tile_bytes = 64;
   const int32_t* x_pairs = x.pairs.get() + r0 / kAmxBlock * groups * kAmxTile / 2;
   const int64_t x_tile = groups * kAmxTile / 2;  // int32 pairs per 16 rows of x
