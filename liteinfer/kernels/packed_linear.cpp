@@ -8,9 +8,8 @@
 // of every row, broadcast, it adds into 16 outputs at once, with no sum across a register at the end. A tile keeps
 // ROWS rows by one group (up to 48 outputs) of fp32 sums in registers and reads the group front to back, one
 // sequential stream, while the thread's next lines of W are prefetched into L2, so that W comes from DRAM once per
-// call, overlapped with the arithmetic: on AVX-512 a few tiles of rows take the group in passes of 64 steps, each
-// pass through every tile (its W then in L1), more tiles each take the whole group (re-read from L2); on AVX2 each
-// tile takes the whole group.
+// call, overlapped with the arithmetic: on AVX-512 a few tiles of fp32 rows take the group in passes of 64 steps,
+// each pass through every tile (its W then in L1); otherwise each tile takes the whole group (re-read from L2).
 // Threads share W's groups, or from SHARE_ROWS_FROM rows a thread on x's rows (each then reads all of W). The same
 // loops serve torch.ops.liteinfer.packed_gated_linear: a gated MLP's gate/up W packed in halves, act(gate) * up made
 // from each tile's sums before they leave the core (group_outputs).
@@ -213,12 +212,17 @@ using liteinfer::packed::PAIR, liteinfer::packed::TileOutputs, liteinfer::packed
 // stream and the arithmetic hardly overlapped: on the Intel Xeon SmolLM2's fp32 linears took 0.77x that time at 16
 // rows and 0.88x at 32 in passes (docs/benchmarks.md). Past 64 rows a pass's W, x (64 steps of every row) and the
 // tiles' running sums outgrow L1's 48 KB, and passes lost 4-5% at 128 and 512 rows; a lone tile has nothing to share.
+// bf16 takes these tiles only on CPUs without AMX (AMD's Zen 4 and 5), and there each tile takes the whole group: on
+// the AMD Zen 4 (32 KB of L1) SmolLM2's bf16 linears took 0.87x the time of passes at 16 rows and 0.97-0.98x at 24 to
+// 64 (docs/benchmarks.md), the passes' sums stored and reloaded every 64 steps (a tile over 64 steps in L1 ran ~11%
+// below one over 288).
 constexpr int64_t PASS_STEPS = 64, PASS_TILES = 8;
 
-// Whether `rows` rows (one M block) take each group in passes: 2 to PASS_TILES tiles of rows.
+// Whether `rows` rows (one M block) of T take each group in passes: fp32 at 2 to PASS_TILES tiles of rows.
+template <typename T>
 constexpr bool in_passes(int64_t rows) {
   const int64_t tiles = (rows + ROWS - 1) / ROWS;
-  return tiles > 1 && tiles <= PASS_TILES;
+  return std::is_same_v<T, float> && tiles > 1 && tiles <= PASS_TILES;
 }
 
 // y[rows, 16 * nb outputs] = x[rows] . the group of nb blocks at `w` (+ b), in passes as above or each tile over
@@ -229,7 +233,7 @@ template <typename T>
 void group_in_passes(const T* x, int64_t k, const T* w, int64_t nb, const T* next, int64_t rows, const T* bias, T* y,
                      int64_t n, TileSums* sums, bool stream) {
   const int64_t steps = k / PAIR<T>, step_size = nb * 16 * PAIR<T>, num_tiles = (rows + ROWS - 1) / ROWS;
-  const int64_t pass_steps = in_passes(rows) ? PASS_STEPS : steps;
+  const int64_t pass_steps = in_passes<T>(rows) ? PASS_STEPS : steps;
   // In one pass a tile is done before the next starts, so one set of sums serves every tile (and stays in L1).
   const bool one_pass = pass_steps >= steps;
   for (int64_t s0 = 0; s0 < steps; s0 += pass_steps) {
@@ -262,7 +266,7 @@ void packed_linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, 
   // stream: on the Intel Xeon SmolLM2's fp32 linears took 0.90-0.95x the time at 16 to 64 rows streamed, and a
   // decode step of 32 sequences ~0.97x, the ops after each linear now reading y from memory (docs/benchmarks.md). One
   // row keeps y in the cache for them; past 64 rows streaming took 0-3% off the linears alone.
-  const bool stream = std::is_same_v<T, float> && in_passes(m) &&
+  const bool stream = in_passes<T>(m) &&
                       reinterpret_cast<uintptr_t>(y) % LINE == 0;  // (each group's row of y then starts a line)
 #endif
   // A thread's rows an M block at a time, each block over the thread's groups: one stream through its part of W.
