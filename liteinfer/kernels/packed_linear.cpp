@@ -212,10 +212,10 @@ using liteinfer::packed::PAIR, liteinfer::packed::TileOutputs, liteinfer::packed
 // stream and the arithmetic hardly overlapped: on the Intel Xeon SmolLM2's fp32 linears took 0.77x that time at 16
 // rows and 0.88x at 32 in passes (docs/benchmarks.md). Past 64 rows a pass's W, x (64 steps of every row) and the
 // tiles' running sums outgrow L1's 48 KB, and passes lost 4-5% at 128 and 512 rows; a lone tile has nothing to share.
-// bf16 takes these tiles only on CPUs without AMX (AMD's Zen 4 and 5), and there each tile takes the whole group: on
-// the AMD Zen 4 (32 KB of L1) SmolLM2's bf16 linears took 0.87x the time of passes at 16 rows and 0.97-0.98x at 24 to
-// 64 (docs/benchmarks.md), the passes' sums stored and reloaded every 64 steps (a tile over 64 steps in L1 ran ~11%
-// below one over 288).
+// bf16 takes these tiles only on CPUs without AMX (such as AMD's Zen 4 and 5), and there each tile takes the whole
+// group: on the AMD Zen 4 (32 KB of L1) SmolLM2's bf16 linears took 0.85-0.87x the time of passes at 16 rows and
+// 0.97-0.98x at 24 to 64 (docs/benchmarks.md), the passes' sums stored and reloaded every 64 steps (a tile over 64
+// steps in L1 ran ~11% below one over 288).
 constexpr int64_t PASS_STEPS = 64, PASS_TILES = 8;
 
 // Whether `rows` rows (one M block) of T take each group in passes: fp32 at 2 to PASS_TILES tiles of rows.
