@@ -70,7 +70,7 @@ def make_case(data, dtype, kv_heads, group, dim, block_size, window, softcap):
 # The decode kernels' cases (make_case's arguments). Head size 40: the C++ kernel's run-time size, with a tail shorter
 # than a vector; the Triton kernel's padded to 64 lanes, the rest masked.
 DECODE_CASES = dict(data=st.data(), dtype=DTYPES, kv_heads=KV_HEADS, group=GROUPS, dim=st.sampled_from([64, 128, 40]),
-                    block_size=st.sampled_from([1, 4, 16]), window=st.one_of(st.none(), st.integers(1, 20)),
+                    block_size=st.sampled_from([1, 4, 16, 32]), window=st.one_of(st.none(), st.integers(1, 20)),
                     softcap=st.one_of(st.none(), st.floats(5.0, 50.0)))
 
 
