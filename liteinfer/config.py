@@ -22,9 +22,9 @@ class EngineConfig:
     # Tokens computed per step. None = 2048 with chunked prefill (bounds attention's memory on long prompts),
     # else max(8192, max_model_len) so that any prompt fits in one step.
     max_num_batched_tokens: int | None = None
-    # Tokens per KV block. None = 16 on CUDA, 32 on a CPU: there a block's rows for one KV head (64 bf16 elements
-    # a row: 4 KiB at 32) are read as one run from DRAM, and the mixed workload of 256 requests ran 5-9% faster than
-    # at 16, decode attention at 32 sequences ~10% faster (AMD Zen 4, docs/benchmarks.md).
+    # Tokens per KV block. None = 16 on CUDA, 32 on a CPU: there decode attention reads a block's rows for one KV head
+    # as one run (bf16 heads of 64: 4 KiB at 32), and on an AMD Zen 4 took 0.82-0.88x its time at 32 sequences, the
+    # mixed workload of 256 requests 1-9% faster than at 16 over four paired rounds (docs/benchmarks.md).
     block_size: int | None = None
     num_kv_blocks: int | None = None  # None = sized from the memory budget below
     gpu_memory_utilization: float = 0.9  # share of GPU memory the weights + KV cache may take

@@ -22,6 +22,7 @@ MAX_STEPS = 5_000
 engine_configs = st.one_of(
     st.fixed_dictionaries({
         "scheduler": st.just("continuous"),
+        "block_size": st.sampled_from([16, 32]),
         "num_kv_blocks": st.sampled_from([8, 12, 24, 64]),
         "max_num_seqs": st.sampled_from([1, 2, 4, 32]),
         "enable_prefix_caching": st.booleans(),
@@ -30,6 +31,7 @@ engine_configs = st.one_of(
     }).map(lambda c: c if c["enable_chunked_prefill"] else {**c, "max_num_batched_tokens": MAX_MODEL_LEN}),
     st.fixed_dictionaries({
         "scheduler": st.just("static"),
+        "block_size": st.sampled_from([16, 32]),
         "num_kv_blocks": st.sampled_from([8, 24]),
         "max_num_seqs": st.sampled_from([1, 3]),
     }),

@@ -248,7 +248,8 @@ def test_engine_reports_a_final_only_request_once_when_it_finishes(tiny_llama_di
 
 def test_engine_n3_samples_share_prompt_blocks(tiny_llama_dir):
     # Prefix caching off: the sharing shown here is the fork's own, not a cache hit.
-    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, enable_prefix_caching=False)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=128,
+              enable_prefix_caching=False)
     engine, manager = llm.engine, llm.engine.block_manager
     prompt_len = len(engine.tokenizer.encode(LONG_PROMPT))
     shared = (prompt_len - 1) // BLOCK_SIZE

@@ -22,8 +22,9 @@ PROMPTS = [PREFIX + q for q in ["What is the sky?", "Why is the sea salty?", "Na
     "Hello", "The capital of France is", "Once upon a time there was a", "def fibonacci(n):",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-# A pool too small for every sequence at full length: later sequences are preempted and recomputed.
-OPTIONS = dict(dtype="float32", num_kv_blocks=20, max_model_len=96, max_num_batched_tokens=64)
+# A pool too small for every sequence at full length (20 blocks of 16 tokens): later sequences are preempted and
+# recomputed.
+OPTIONS = dict(dtype="float32", block_size=16, num_kv_blocks=20, max_model_len=96, max_num_batched_tokens=64)
 
 
 def run(directory, **options) -> tuple[list[list[int]], int, int]:
@@ -135,7 +136,7 @@ def test_invalid_tensor_parallel_sizes_are_refused(tiny_llama_dir, option, value
 def test_smollm2_tp3_greedy_tokens_equal_tp1_fp32():
     """The real model, fp32. SmolLM2-135M has 9 attention heads and 3 KV heads, so 3 ranks (one KV head each) is
     its smallest split; the pool is small enough to preempt, and the second round hits the prefix cache."""
-    options = dict(dtype="float32", num_kv_blocks=10, max_model_len=128, max_num_batched_tokens=64)
+    options = dict(dtype="float32", block_size=16, num_kv_blocks=10, max_model_len=128, max_num_batched_tokens=64)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
     def run(**parallel):
