@@ -16,7 +16,7 @@ from liteinfer import LLM, SamplingParams, kernels
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
-MAX_MODEL_LEN = 128  # 8 blocks of 16 tokens: the smallest pool below holds one sequence at full length
+MAX_MODEL_LEN = 128  # the smallest pool below, 8 blocks of 16 tokens, holds one sequence at full length
 MAX_STEPS = 5_000
 
 engine_configs = st.one_of(
