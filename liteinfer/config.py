@@ -70,8 +70,7 @@ class EngineConfig:
             "must be >= 1",
         )
         if self.block_size is None:
-            on_cuda = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
-            self.block_size = 16 if on_cuda else 32
+            self.block_size = 16 if self._device_type() == "cuda" else 32
         require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
                 "must be a power of two")
         require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
@@ -111,12 +110,16 @@ class EngineConfig:
     def chunked_prefill(self) -> bool:
         return self.enable_chunked_prefill and self.scheduler == "continuous"
 
-    def torch_device(self) -> torch.device:
+    def _device_type(self) -> str:
+        """cpu or cuda: `device` with auto resolved, whether or not the device asked for is there."""
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def torch_device(self) -> torch.device:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but no CUDA device is available")
-        return torch.device(self.device)
+        return torch.device(self._device_type())
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """auto = the checkpoint's own float dtype, float32 when it declares none (GGUF, old configs)."""
