@@ -83,6 +83,14 @@ def _next_power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def cpu_example_batch() -> int:
+    """The batch at which a CPU's batched decode graph is traced. Inductor takes the traced sizes as the hints by which
+    it decides which of its loops run in parallel, for every batch the graph then runs: traced at 2 rows, its rotary
+    and K/V-write kernel ran on one thread while the other waited, at every batch size (~0.6 ms of a 29 ms step of 32
+    sequences on 2 threads; docs/benchmarks.md). So a batch worth splitting: 8 rows a thread, 32 at least."""
+    return max(32, 8 * torch.get_num_threads())
+
+
 class CompiledDecoder:
     def __init__(self, model: nn.Module, kv_cache: KVCache, max_num_seqs: int, max_blocks_per_seq: int):
         self.model = model
@@ -154,7 +162,7 @@ class CompiledDecoder:
             # A graph per batch size of the ladder is planned, not the runaway recompiles this warns of.
             torch._inductor.config.patch({"triton.cudagraph_dynamic_shape_warn_limit": None}),
         ):
-            for batch in self.graph_batch_sizes if self.cuda_graphs else (1, 2):
+            for batch in self.graph_batch_sizes if self.cuda_graphs else (1, cpu_example_batch()):
                 ids = torch.zeros(batch, dtype=torch.long, device=device)
                 meta = AttentionMetadata(
                     slot_blocks=ids.clone(),

@@ -41,6 +41,7 @@ from transformers import PretrainedConfig
 
 import liteinfer
 from liteinfer.cache import KVCache
+from liteinfer.engine.compiled import cpu_example_batch
 from liteinfer.engine.step_inputs import StepInputs
 from liteinfer.layers import AttentionMetadata
 
@@ -113,7 +114,8 @@ class PackagedDecoder:
         logger.info("compiling the decode step for %s (AOTInductor, once for these shapes)...",
                     "one sequence" if one else "batches")
         start = time.perf_counter()
-        batch, width = (1, 3) if one else (2, 3)  # example sizes, told apart so that export keeps them apart
+        # Example sizes, told apart so that export keeps them apart; the batch's is also inductor's hint for its loops.
+        batch, width = (1, 3) if one else (cpu_example_batch(), 3)
         # Four tensors, not one four times: export would take one tensor passed twice for one input.
         per_token = [torch.zeros(batch, dtype=torch.long) for _ in range(4)]
         inputs = (*per_token, torch.zeros(batch, width, dtype=torch.long), *self.pool)
