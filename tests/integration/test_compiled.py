@@ -160,6 +160,27 @@ def test_packages_decode_quantized_weights_as_eager_does(method, tiny_llama_dir,
     assert max(batches) > 1
 
 
+def test_the_batched_package_runs_each_of_its_kernels_on_every_thread(tiny_heads_64):
+    """Inductor decides which of a kernel's loops run in parallel from the sizes it traced, for every batch the package
+    will run: traced at too small a batch, the step's per-token kernels (the norms, the rotary with the K/V write)
+    ran on one thread while the others waited (docs/benchmarks.md). Heads of 64 give each kernel a few hundred
+    elements a row, enough to split at the traced batch, not at 2 rows."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        decoder = LLM(str(tiny_heads_64), enforce_eager=False, **ENGINE).engine.runner.compiled
+        if not isinstance(decoder, PackagedDecoder):
+            pytest.skip("the packages need every weight in our kernel's layout: fp32 on CPUs with AVX-512 BF16")
+        path = decoder.package_path(False)  # (keyed on the thread count too)
+    finally:
+        torch.set_num_threads(threads)
+    with zipfile.ZipFile(path) as package:
+        code = "\n".join(package.read(name).decode() for name in package.namelist() if name.endswith(".kernel.cpp"))
+    kernel_bodies = dict(re.findall(r"void\s+(cpp_fused_\w+)\(.*?\)\s*\{(.*?)\n\}", code, re.S))
+    assert kernel_bodies
+    assert [name for name, body in kernel_bodies.items() if "#pragma omp parallel" not in body] == []
+
+
 def test_packages_are_made_at_start_up_only(packages, monkeypatch):
     assert set(packages.engine.runner.compiled.packages) == {True, False}  # batch of one, and any other batch
     monkeypatch.setattr(torch.export, "export", mock.Mock(side_effect=AssertionError("traced while serving")))
