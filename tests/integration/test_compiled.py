@@ -55,13 +55,24 @@ def package_code(decoder: PackagedDecoder) -> str:
     return "\n".join(texts)
 
 
+def package_sources(package_path) -> dict[str, str]:
+    """A package's generated C++ by kind: "wrapper" (the step, calling the kernels) and "kernel" (inductor's loops)."""
+    with zipfile.ZipFile(package_path) as package:
+        return {name.split(".")[-2]: package.read(name).decode() for name in package.namelist()
+                if name.endswith((".wrapper.cpp", ".kernel.cpp"))}
+
+
+def kernel_definitions(kernel_code: str) -> dict[str, tuple[str, str]]:
+    """Each of inductor's kernels in `kernel_code`: its name -> (its parameter list, its body)."""
+    return {name: (params, body) for name, params, body in
+            re.findall(r"void\s+(cpp_fused_\w+)\((.*?)\)\s*\{(.*?)\n\}", kernel_code, re.S)}
+
+
 def loops_over_a_pool(package_path, first_pool_input: int) -> list[str]:
     """The loops in a package's kernels that run over a whole pool: loops bounded by a pool's block count (its size
     0, dynamic), which the wrapper hands a kernel among its last, integer arguments."""
-    with zipfile.ZipFile(package_path) as package:
-        code = {name.split(".")[-2]: package.read(name).decode() for name in package.namelist()
-                if name.endswith((".wrapper.cpp", ".kernel.cpp"))}
-    wrapper, kernel_code = code["wrapper"], code["kernel"]
+    code = package_sources(package_path)
+    wrapper, definitions = code["wrapper"], kernel_definitions(code["kernel"])
     inputs = re.findall(r"auto (\w+) = std::move\(inputs\[(\d+)\]\);", wrapper)
     pools = {name for name, index in inputs if int(index) >= first_pool_input}
     sizes = {symbol for symbol, name in re.findall(r"int64_t (\w+) = (\w+)_size\[0\];", wrapper) if name in pools}
@@ -69,7 +80,7 @@ def loops_over_a_pool(package_path, first_pool_input: int) -> list[str]:
     loops = []
     for kernel, args in re.findall(r"\n\s*(cpp_fused_\w+)\((.*)\);", wrapper):
         integers = [arg for arg in args.split(", ") if not arg.startswith("(")]  # tensors are passed as casts
-        params, body = re.search(rf"void\s+{kernel}\((.*?)\)\s*\{{(.*?)\n\}}", kernel_code, re.S).groups()
+        params, body = definitions[kernel]
         for param, arg in zip(re.findall(r"const int64_t (ks\d+)", params), integers, strict=True):
             if sizes & set(re.findall(r"\w+", arg)):
                 loops += [line for line in body.splitlines() if "for(" in line and param in re.findall(r"\w+", line)]
@@ -174,11 +185,9 @@ def test_the_batched_package_runs_each_of_its_kernels_on_every_thread(tiny_heads
         path = decoder.package_path(False)  # (keyed on the thread count too)
     finally:
         torch.set_num_threads(threads)
-    with zipfile.ZipFile(path) as package:
-        code = "\n".join(package.read(name).decode() for name in package.namelist() if name.endswith(".kernel.cpp"))
-    kernel_bodies = dict(re.findall(r"void\s+(cpp_fused_\w+)\(.*?\)\s*\{(.*?)\n\}", code, re.S))
-    assert kernel_bodies
-    assert [name for name, body in kernel_bodies.items() if "#pragma omp parallel" not in body] == []
+    definitions = kernel_definitions(package_sources(path)["kernel"])
+    assert definitions
+    assert [name for name, (_, body) in definitions.items() if "#pragma omp parallel" not in body] == []
 
 
 def test_packages_are_made_at_start_up_only(packages, monkeypatch):
