@@ -36,14 +36,18 @@ PROMPTS = [SYSTEM + "What is the capital of France?", SYSTEM + "Why is the sea s
 ENGINE = dict(dtype="float32", num_kv_blocks=17, block_size=16, max_model_len=256, max_num_batched_tokens=64)
 
 
-def generated_code(fn, *args) -> str:
-    """The code inductor generates while `fn(*args)` runs. (Like torch's `run_and_get_code`, but without its
-    `torch._dynamo.reset()`, which would drop a running engine's graphs: a compiled engine then refuses to
-    recompile, since its weights are packed for eager steps by then.)"""
+def generated_codes(fn, *args) -> list[str]:
+    """The code inductor generates while `fn(*args)` runs, a graph's module each, in the order they compile. (Like
+    torch's `run_and_get_code`, but without its `torch._dynamo.reset()`, which would drop a running engine's graphs:
+    a compiled engine then refuses to recompile, since its weights are packed for eager steps by then.)"""
     codes = []
     with mock.patch.object(GraphLowering, "save_output_code", codes.append):
         fn(*args)
-    return "\n".join(codes)
+    return codes
+
+
+def generated_code(fn, *args) -> str:
+    return "\n".join(generated_codes(fn, *args))
 
 
 def package_code(decoder: PackagedDecoder) -> str:
@@ -63,9 +67,10 @@ def package_sources(package_path) -> dict[str, str]:
 
 
 def kernel_definitions(kernel_code: str) -> dict[str, tuple[str, str]]:
-    """Each of inductor's kernels in `kernel_code`: its name -> (its parameter list, its body)."""
+    """Each of inductor's kernels defined in `kernel_code`: its name -> (its parameter list, its body). (A declaration
+    ends its parameters with a semicolon, which no definition's parameters hold.)"""
     return {name: (params, body) for name, params, body in
-            re.findall(r"void\s+(cpp_fused_\w+)\((.*?)\)\s*\{(.*?)\n\}", kernel_code, re.S)}
+            re.findall(r"void\s+(cpp_fused_\w+)\(([^;]*?)\)\s*\{(.*?)\n\}", kernel_code, re.S)}
 
 
 def loops_over_a_pool(package_path, first_pool_input: int) -> list[str]:
@@ -186,6 +191,25 @@ def test_the_batched_package_runs_each_of_its_kernels_on_every_thread(tiny_heads
     finally:
         torch.set_num_threads(threads)
     definitions = kernel_definitions(package_sources(path)["kernel"])
+    assert definitions
+    assert [name for name, (_, body) in definitions.items() if "#pragma omp parallel" not in body] == []
+
+
+def test_the_batched_graph_runs_each_of_its_kernels_on_every_thread(tiny_heads_64, monkeypatch):
+    """The same of torch.compile's CPU form, whose batched graph is traced at the same example batch. Compiled anew:
+    inductor's caches key a graph on its sizes' symbols, not on their hints, and would hand back a graph traced at
+    another example batch."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(llm_engine, "weights_left_for_onednn", lambda model: True)
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            codes = generated_codes(lambda: LLM(str(tiny_heads_64), enforce_eager=False, **ENGINE))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(codes) == 2
+    definitions = kernel_definitions(codes[1])  # warm_up compiles the batch of one first, then the batched graph
     assert definitions
     assert [name for name, (_, body) in definitions.items() if "#pragma omp parallel" not in body] == []
 
