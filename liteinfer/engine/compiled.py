@@ -111,6 +111,11 @@ class CompiledDecoder:
         self._compiled = torch.compile(
             types.FunctionType(code, _decode_logits.__globals__, _decode_logits.__name__),
             fullgraph=True,  # a graph break would bring per-layer Python back: refuse it
+            # Only the sizes `__call__` marks dynamic are: without it dynamo would also make dynamic any size it saw
+            # change between compiles of this code, and it counts every engine's private copy as the same code (by
+            # file and line), so an engine built after one of other shapes compiled its K/V pools' head size as a
+            # symbol, missing inductor's cache and its kernels specialised on it.
+            dynamic=False,
             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                      "triton.cudagraphs": self.cuda_graphs},
         )

@@ -93,6 +93,16 @@ def loops_over_a_pool(package_path, first_pool_input: int) -> list[str]:
     return loops
 
 
+@contextlib.contextmanager
+def torch_threads(count: int):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def packages(tiny_llama_dir) -> LLM:
     llm = LLM(str(tiny_llama_dir), enforce_eager=False, **ENGINE)
@@ -111,6 +121,19 @@ def compiled(tiny_llama_dir):
         code = generated_code(lambda: engines.append(LLM(str(tiny_llama_dir), enforce_eager=False, **ENGINE)))
     assert isinstance(engines[0].engine.runner.compiled, CompiledDecoder)
     return engines[0], code
+
+
+@pytest.fixture(scope="module")
+def compiled_heads_64(tiny_heads_64, tmp_path_factory):
+    """(torch.compile's engine of a model with heads of 64 on 2 threads, the code of each graph it compiled), the form
+    forced as above; compiled anew, in a cache of its own: inductor's caches key a graph on its sizes' symbols, not
+    on their hints, and would hand back a graph traced at another example batch."""
+    with pytest.MonkeyPatch.context() as patch, torch_threads(2):
+        patch.setattr(llm_engine, "weights_left_for_onednn", lambda model: True)
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-cache")))
+        engines = []
+        codes = generated_codes(lambda: engines.append(LLM(str(tiny_heads_64), enforce_eager=False, **ENGINE)))
+    return engines[0], codes
 
 
 @pytest.fixture(scope="module")
@@ -177,16 +200,6 @@ def test_packages_decode_quantized_weights_as_eager_does(method, tiny_llama_dir,
     assert max(batches) > 1
 
 
-@contextlib.contextmanager
-def torch_threads(count: int):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def serial_kernels(kernel_code: str) -> list[str]:
     """The kernels defined in `kernel_code` that run on one thread: those with no parallel region."""
     definitions = kernel_definitions(kernel_code)
@@ -205,6 +218,13 @@ def test_the_batched_package_runs_each_of_its_kernels_on_every_thread(tiny_heads
             pytest.skip("the packages need every weight in our kernel's layout: fp32 on CPUs with AVX-512 BF16")
         path = decoder.package_path(False)  # (keyed on the thread count too)
     assert serial_kernels(package_sources(path)["kernel"]) == []
+
+
+def test_the_batched_graph_runs_each_of_its_kernels_on_every_thread(compiled_heads_64):
+    """The same of torch.compile's CPU form, whose batched graph is traced at the same example batch."""
+    _, codes = compiled_heads_64
+    assert len(codes) == 2
+    assert serial_kernels(codes[1]) == []  # warm_up compiles the batch of one first, then the batched graph
 
 
 def test_packages_are_made_at_start_up_only(packages, monkeypatch):
@@ -332,10 +352,13 @@ def test_kv_pool_is_written_in_place_not_copied(compiled):
     assert f"{pool_size}L" in generated_code(torch.compile(copy_whole), torch.zeros_like(llm.engine.kv_cache.k[0]))
 
 
-def test_another_engine_in_the_same_process_gets_its_own_graphs(compiled, tmp_path, smollm2_tokenizer):
+def test_another_engine_in_the_same_process_gets_its_own_graphs(compiled, compiled_heads_64, tmp_path,
+                                                                 smollm2_tokenizer):
     """Guards on the model are skipped for speed; each engine compiles a private copy of the step's code, so a
     second model never runs on the first one's frozen weights. With its weights packed for our kernel, the second
-    engine's graphs come from inductor's on-disk cache (same shapes), which binds this model's weights to them."""
+    engine's graphs come from inductor's on-disk cache (same shapes), which binds this model's weights to them: also
+    after an engine of other shapes (`compiled_heads_64`) compiled in between, whose sizes dynamo would otherwise have
+    made dynamic in the next engine's graphs (it counts every private copy of the code as one)."""
     make_tiny_llama(tmp_path, smollm2_tokenizer, "gqa-untied", seed=1)
     hits = counters["inductor"]["fxgraph_cache_hit"]
     with pytest.MonkeyPatch.context() as patch:
@@ -380,17 +403,3 @@ def test_inductor_cache_is_keyed_on_our_kernel_sources(tmp_path, monkeypatch):
     before = _KeyedOnOurKernels().uuid()
     source.write_text("void op(int a, int b);")
     assert _KeyedOnOurKernels().uuid() != before
-
-
-def test_the_batched_graph_runs_each_of_its_kernels_on_every_thread(tiny_heads_64, tmp_path, monkeypatch):
-    """The same of torch.compile's CPU form, whose batched graph is traced at the same example batch. Compiled anew,
-    in a cache of its own: inductor's caches key a graph on its sizes' symbols, not on their hints, and would hand
-    back a graph traced at another example batch. (Last in the module: built between the `compiled` fixture and the
-    test of a second engine's cache hits, an engine of other shapes sends that second engine past inductor's cache,
-    two misses for two hits; seen with cold caches, cause not found.)"""
-    monkeypatch.setattr(llm_engine, "weights_left_for_onednn", lambda model: True)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    with torch_threads(2):
-        codes = generated_codes(lambda: LLM(str(tiny_heads_64), enforce_eager=False, **ENGINE))
-    assert len(codes) == 2
-    assert serial_kernels(codes[1]) == []  # warm_up compiles the batch of one first, then the batched graph
