@@ -1,6 +1,7 @@
 """Shared fixtures: the real SmolLM2 files, and tiny random-weight Llama models saved the Hugging Face way; and what
 tests compare engines' samples by."""
 
+import contextlib
 import importlib.util
 import os
 from pathlib import Path
@@ -109,13 +110,22 @@ def tiny_heads_64(tmp_path_factory, smollm2_tokenizer) -> Path:
     return directory
 
 
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """torch's thread count set to `count` for the block, then put back."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """For a module of tiny-model tests: with one torch thread, thread hand-offs stop costing more than the maths."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

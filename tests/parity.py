@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import transformers
+from conftest import torch_threads
 
 from liteinfer import LLM, SamplingParams
 from liteinfer.engine.scheduler import ScheduledBatch
@@ -31,10 +32,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
 def one_torch_thread():
     """Import into a test module to run it on one thread: the models are tiny, and thread hand-offs cost far more
     than the maths (10-100x slower on a loaded machine). The results do not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def all_blocks_free(llm: LLM) -> bool:

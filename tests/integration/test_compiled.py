@@ -4,14 +4,13 @@ waits for oneDNN; forced here). Each gives the eager path's greedy tokens, write
 at start-up (none while serving)."""
 
 import asyncio
-import contextlib
 import re
 import zipfile
 from unittest import mock
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from conftest import make_tiny_llama, torch_threads
 from parity import FAMILY_VARIANTS, make_tiny_model
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
@@ -93,16 +92,6 @@ def loops_over_a_pool(package_path, first_pool_input: int) -> list[str]:
     return loops
 
 
-@contextlib.contextmanager
-def torch_threads(count: int):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def packages(tiny_llama_dir) -> LLM:
     llm = LLM(str(tiny_llama_dir), enforce_eager=False, **ENGINE)
@@ -111,29 +100,31 @@ def packages(tiny_llama_dir) -> LLM:
     return llm
 
 
+def compile_forced(model_dir, patch: pytest.MonkeyPatch) -> tuple[LLM, list[str]]:
+    """(torch.compile's engine of the model at `model_dir`, the code of each graph inductor generated for it at
+    start-up), the form forced as if some weight waited for oneDNN."""
+    patch.setattr(llm_engine, "weights_left_for_onednn", lambda model: True)
+    engines = []
+    codes = generated_codes(lambda: engines.append(LLM(str(model_dir), enforce_eager=False, **ENGINE)))
+    assert isinstance(engines[0].engine.runner.compiled, CompiledDecoder)
+    return engines[0], codes
+
+
 @pytest.fixture(scope="module")
 def compiled(tiny_llama_dir):
-    """(torch.compile's engine, the C++/Python code inductor generated for it at start-up), the form forced as if
-    some weight waited for oneDNN."""
+    """(torch.compile's engine, the C++/Python code inductor generated for it at start-up), as `compile_forced`."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(llm_engine, "weights_left_for_onednn", lambda model: True)
-        engines = []
-        code = generated_code(lambda: engines.append(LLM(str(tiny_llama_dir), enforce_eager=False, **ENGINE)))
-    assert isinstance(engines[0].engine.runner.compiled, CompiledDecoder)
-    return engines[0], code
+        llm, codes = compile_forced(tiny_llama_dir, patch)
+    return llm, "\n".join(codes)
 
 
 @pytest.fixture(scope="module")
 def compiled_heads_64(tiny_heads_64, tmp_path_factory):
-    """(torch.compile's engine of a model with heads of 64 on 2 threads, the code of each graph it compiled), the form
-    forced as above; compiled anew, in a cache of its own: inductor's caches key a graph on its sizes' symbols, not
-    on their hints, and would hand back a graph traced at another example batch."""
+    """`compile_forced` of a model with heads of 64 on 2 threads, anew, in a cache of its own: inductor's caches key a
+    graph on its sizes' symbols, not on their hints, and would hand back a graph traced at another example batch."""
     with pytest.MonkeyPatch.context() as patch, torch_threads(2):
-        patch.setattr(llm_engine, "weights_left_for_onednn", lambda model: True)
         patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-cache")))
-        engines = []
-        codes = generated_codes(lambda: engines.append(LLM(str(tiny_heads_64), enforce_eager=False, **ENGINE)))
-    return engines[0], codes
+        return compile_forced(tiny_heads_64, patch)
 
 
 @pytest.fixture(scope="module")

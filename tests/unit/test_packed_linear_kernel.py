@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import torch_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -77,14 +78,10 @@ def test_the_gated_form_gives_the_bits_of_the_linear_then_the_activation(rows, b
     x, weight, bias = (torch.randn(*shape, generator=generator).to(dtype)
                        for shape in ((rows, in_features), (32 * blocks, in_features), (32 * blocks,)))
     bias = bias if with_bias else None
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         out = torch.ops.liteinfer.packed_gated_linear(x, pack_gate_up(weight), bias, act)
         expected = torch.ops.liteinfer.gated_activation(torch.ops.liteinfer.packed_linear(x, pack_weight(weight), bias),
                                                         act)
-    finally:
-        torch.set_num_threads(threads)
     assert out.dtype == dtype and out.shape == (rows, 16 * blocks)
     assert torch.equal(out, expected)
 
@@ -125,14 +122,10 @@ def test_many_rows_over_a_wide_weight_give_each_row_the_bits_it_gets_alone_in_it
     shapes = ((rows, 384), (2080, 384), (2080,))
     x, weight, bias = (torch.randn(*shape, generator=generator).to(dtype) for shape in shapes)
     packed = pack_weight(weight)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         out = torch.ops.liteinfer.packed_linear(x, packed, bias)
         by_block = torch.cat([torch.ops.liteinfer.packed_linear(x[r:r + 128], packed, bias)
                               for r in range(0, rows, 128)])
-    finally:
-        torch.set_num_threads(threads)
     assert_within_summation_error(out, x, weight, bias)
     assert torch.equal(out, by_block)
 
@@ -148,9 +141,7 @@ def test_a_rows_bits_are_the_same_alone_and_among_rows_taken_in_passes(dtype):
     generator = torch.Generator().manual_seed(0)
     x, weight, bias = (torch.randn(*shape, generator=generator).to(dtype) for shape in ((200, 300), (112, 300), (112,)))
     packed, gate_up = pack_weight(weight), pack_gate_up(torch.cat([weight, weight.flip(0)]))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         alone = torch.cat([torch.ops.liteinfer.packed_linear(x[r:r + 1], packed, bias) for r in range(200)])
         gated_alone = torch.cat([torch.ops.liteinfer.packed_gated_linear(x[r:r + 1], gate_up, None, "silu")
                                  for r in range(200)])
@@ -158,8 +149,6 @@ def test_a_rows_bits_are_the_same_alone_and_among_rows_taken_in_passes(dtype):
             assert torch.equal(torch.ops.liteinfer.packed_linear(x[:rows], packed, bias), alone[:rows])
             assert torch.equal(torch.ops.liteinfer.packed_gated_linear(x[:rows], gate_up, None, "silu"),
                                gated_alone[:rows])
-    finally:
-        torch.set_num_threads(threads)
     assert_within_summation_error(alone, x, weight, bias)
 
 

@@ -10,6 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import torch_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -82,12 +83,8 @@ def test_kernel_matches_attention_over_gathered_blocks(data, dtype, kv_heads, gr
     assert kernels.load()
     attn, q, tables, positions = make_case(data, dtype, kv_heads, group, dim, block_size, window, softcap)
 
-    default_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = attn._attend_decodes(q, tables, positions)  # the kernel, on CPU
-    finally:
-        torch.set_num_threads(default_threads)
     keys, values = attn._gather(tables, dtype)
     expected = attn._attend_gathered_decodes(q, keys, values, positions)
 
@@ -377,14 +374,10 @@ def test_prompt_kernel_gives_the_same_bits_on_any_number_of_threads(dtype):
     tables = torch.randperm(80).view(4, 20).tolist()
     meta = prefill_step(tables, lengths=(300, 5, 70, 17), contexts=(0, 200, 40, 300))
     q = torch.randn(len(meta.positions), 6, 64).to(dtype)
-    threads = torch.get_num_threads()
-    try:
-        outputs = []
-        for n in (1, 2, 3, 7):
-            torch.set_num_threads(n)
+    outputs = []
+    for n in (1, 2, 3, 7):
+        with torch_threads(n):
             outputs.append(attn._attend_prefills(q, meta))
-    finally:
-        torch.set_num_threads(threads)
     for out in outputs[1:]:
         assert torch.equal(out, outputs[0])
     with mock.patch.object(kernels, "prefill_available", return_value=False):
@@ -460,12 +453,8 @@ def test_decode_kernel_reads_int8_pools_as_the_gathered_path(data, dtype, kv_hea
     positions = torch.tensor([data.draw(st.integers(0, width * block_size - 1)) for _ in range(num_seqs)])
     q = torch.randn(num_seqs, kv_heads * group, dim).to(dtype)
 
-    default_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = attn._attend_decodes(q, tables, positions)  # the kernel
-    finally:
-        torch.set_num_threads(default_threads)
     keys, values = attn._gather(tables, torch.float32)
     expected = attn._attend_gathered_decodes(q.float(), keys, values, positions)
 
