@@ -1,4 +1,6 @@
-"""The decode step under `torch.compile` (`enforce_eager=False`): the whole model and its LM head as one graph.
+"""The decode step under `torch.compile` (`enforce_eager=False`): the whole model as one graph, its output each row's
+final hidden state (the LM head runs after it, in engine/model_runner.py, so that a greedy step can ask the head
+for its tokens without every logit: layers/greedy_head.py).
 
 Which engines: CUDA's (its CUDA graphs), and a CPU's where some weight waits for oneDNN's prepacking, which only
 freezing does inside a graph; every other CPU engine runs its decode step as AOTInductor packages
@@ -59,9 +61,9 @@ from liteinfer.layers import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 
-def _decode_logits(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+def _decode_hidden(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
-    return model.compute_logits(model(input_ids, positions, meta))
+    return model(input_ids, positions, meta)
 
 
 class _KeyedOnOurKernels(CustomGraphPass):
@@ -107,9 +109,9 @@ class CompiledDecoder:
         # torch.compile keeps its graphs on the code object it compiles, and with module guards skipped it would not
         # tell two models apart: a private copy of the code gives this model graphs of its own, so another engine in
         # the same process never runs with this one's frozen weights.
-        code = _decode_logits.__code__.replace()
+        code = _decode_hidden.__code__.replace()
         self._compiled = torch.compile(
-            types.FunctionType(code, _decode_logits.__globals__, _decode_logits.__name__),
+            types.FunctionType(code, _decode_hidden.__globals__, _decode_hidden.__name__),
             fullgraph=True,  # a graph break would bring per-layer Python back: refuse it
             # Only the sizes `__call__` marks dynamic are: without it dynamo would also make dynamic any size it saw
             # change between compiles of this code, and it counts every engine's private copy as the same code (by
@@ -126,7 +128,7 @@ class CompiledDecoder:
         tables = meta.decode_block_tables
         batch, width = tables.shape
         if self.cuda_graphs and batch > 1:
-            # Extra rows repeat the first: they write the same K/V to the same slot, and their logits are dropped.
+            # Extra rows repeat the first: they write the same K/V to the same slot, and their outputs are dropped.
             rows = F.pad(torch.arange(batch, device=tables.device), (0, _next_power_of_two(batch) - batch))
             input_ids, positions, blocks, offsets, tables = (t[rows] for t in (input_ids, positions, blocks, offsets,
                                                                                tables))
@@ -139,7 +141,7 @@ class CompiledDecoder:
                 torch._dynamo.mark_dynamic(tensor, 0)
         torch._dynamo.mark_dynamic(tables, 1)
         if self.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()  # the previous step's logits are consumed
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's hidden states are consumed
         meta = replace(meta, positions=positions, slot_blocks=blocks, slot_offsets=offsets, decode_block_tables=tables)
         # After warm-up the model's weights are prepacked for eager steps, which the compiler cannot trace: an
         # unplanned shape must fail loudly rather than recompile.

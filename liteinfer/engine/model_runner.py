@@ -14,7 +14,7 @@ from liteinfer.engine.packaged import PackagedDecoder
 from liteinfer.engine.scheduler import ScheduledBatch
 from liteinfer.engine.sequence import Sequence
 from liteinfer.engine.step_inputs import StepInputs
-from liteinfer.engine.workers import WorkerPool, run_step
+from liteinfer.engine.workers import WorkerPool, sampling_hidden
 from liteinfer.layers import AttentionMetadata, PrefillSpan
 from liteinfer.sampling import Sampler, SamplerOutput, SamplingRow
 
@@ -42,22 +42,31 @@ class ModelRunner:
         input_ids, meta, sampling = self._prepare(batch)
         sample_rows = torch.tensor([row for _, row in sampling], dtype=torch.long, device=self.device)
         step = StepInputs(input_ids, meta, sample_rows)
+        seqs = [batch.seqs[i] for i, _ in sampling]
+        rows = [SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator) for seq in seqs]
         try:
             if self.workers is not None:
                 self.workers.send(step)
             if self.compiled is not None and step.decode_only:
-                logits = self.compiled(step)
+                hidden = self.compiled(step)
             else:
-                logits = run_step(self.model, step)
+                hidden = sampling_hidden(self.model, step)
+            if not sampling:
+                return [], None
+            output = self._sample(hidden, rows)
         except RuntimeError as exc:  # a collective failed: if a worker died, say so rather than how it showed
             if self.workers is not None:
                 self.workers.check(failed=exc)
             raise
-        if not sampling:
-            return [], None
-        seqs = [batch.seqs[i] for i, _ in sampling]
-        rows = [SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator) for seq in seqs]
-        return [i for i, _ in sampling], self.sampler(logits, rows)
+        return [i for i, _ in sampling], output
+
+    def _sample(self, hidden: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """The LM head and the sampler on the sampling rows' hidden states. A step whose rows all take their logits'
+        argmax asks the head for it first, which some heads find without computing every logit."""
+        argmax = self.model.greedy_tokens(hidden) if self.sampler.takes_argmax(rows) else None
+        if argmax is None:
+            return self.sampler(self.model.compute_logits(hidden), rows)
+        return self.sampler.from_argmax(argmax.tolist(), rows, lambda held: self.model.compute_logits(hidden[held]))
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[tuple[int, int]]]:
         """Lay the step's tokens end to end: generated tokens first, each a decode (attention batches them), then

@@ -1,8 +1,9 @@
 """The CPU's compiled decode step (`enforce_eager=False`) as two AOTInductor packages, kept on disk between runs.
 
-`torch.export` traces the whole model and its LM head, with each layer's K/V pool as an input the graph writes in
-place; `torch._inductor.aoti_compile_and_package` turns that into a shared library in a `.pt2` file. A package holds
-no weights: the model's own tensors are handed to it by name when it is loaded (`user_managed`, no copy), so the
+`torch.export` traces the whole model (its output each row's final hidden state: the LM head runs after it, as for
+torch.compile's graphs), with each layer's K/V pool as an input the graph writes in place;
+`torch._inductor.aoti_compile_and_package` turns that into a shared library in a `.pt2` file. A package holds no
+weights: the model's own tensors are handed to it by name when it is loaded (`user_managed`, no copy), so the
 package depends on the weights' shapes, not their values, and any model of the same shapes reuses it.
 
 Why not `torch.compile` here (engine/compiled.py, which CUDA keeps for its CUDA graphs, and a CPU whose weights
@@ -55,7 +56,8 @@ _MAX_BATCH, _MAX_WIDTH, _MAX_BLOCKS = 1 << 16, 1 << 20, 1 << 30  # the dynamic s
 
 
 class _DecodeStep(nn.Module):
-    """The decode step as export traces it: the step's tensors and the pool are its inputs, the logits its output."""
+    """The decode step as export traces it: the step's tensors and the pool are its inputs, the hidden states its
+    output."""
 
     def __init__(self, model: nn.Module, kv_cache: KVCache):
         super().__init__()
@@ -67,7 +69,7 @@ class _DecodeStep(nn.Module):
         self.kv_cache.bind(self.model, list(pool))  # the traced graph writes its inputs, whatever pool they are
         meta = AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=slot_offsets, positions=positions,
                                  decode_block_tables=block_tables, prefills=[])
-        return self.model.compute_logits(self.model(input_ids, positions, meta))
+        return self.model(input_ids, positions, meta)
 
 
 class PackagedDecoder:

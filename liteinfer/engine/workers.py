@@ -99,8 +99,14 @@ class ShardSpec:
 
 def pack_weights(model: nn.Module, onednn: bool = True) -> None:
     """Pack the float weights that quantization left (all of them without it) for the fastest kernels
-    (`layers/linear.py: pack_linears`; with onednn=False, only those torch.compile can trace)."""
+    (`layers/linear.py: pack_linears`; with onednn=False, only those torch.compile can trace), and let an fp32 head
+    give greedy tokens from bf16 logits (`LMHead.screen_greedy`) unless the model caps its logits (capped logits
+    can tie where the raw ones do not)."""
     pack_linears(model, (Linear, LMHead), onednn)
+    if getattr(model, "final_softcap", None) is None:
+        for module in model.modules():
+            if isinstance(module, LMHead):
+                module.screen_greedy()
 
 
 def weights_left_for_onednn(model: nn.Module) -> bool:
@@ -117,10 +123,14 @@ def model_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
 
 def run_step(model: nn.Module, step: StepInputs) -> torch.Tensor | None:
     """The forward every rank runs: all tokens, then the LM head on the sampling rows (logits on rank 0 only)."""
+    hidden = sampling_hidden(model, step)
+    return None if hidden is None else model.compute_logits(hidden)
+
+
+def sampling_hidden(model: nn.Module, step: StepInputs) -> torch.Tensor | None:
+    """The forward over all tokens; the final hidden states of the sampling rows (None when none samples)."""
     hidden = model(step.input_ids, step.meta.positions, step.meta)
-    if len(step.sample_rows) == 0:
-        return None
-    return model.compute_logits(hidden[step.sample_rows])
+    return hidden[step.sample_rows] if len(step.sample_rows) else None
 
 
 class WorkerPool:

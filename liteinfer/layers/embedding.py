@@ -3,7 +3,8 @@ tensor-parallel ranks by vocabulary rows.
 
 Each rank holds ceil(vocab / ranks) consecutive rows (the last rank's tail is padding). The embedding looks up the
 tokens whose rows it holds, zeroes the others, and the ranks' results are summed (all-reduce); the LM head
-computes the logits of its rows, and rank 0 gathers them side by side (the other ranks get None).
+computes the logits of its rows, and rank 0 gathers them side by side (the other ranks get None). A head held whole
+can also give each row's greedy token without computing all its logits (`greedy_tokens`, layers/greedy_head.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from liteinfer.distributed import TensorParallelGroup
+from liteinfer.layers.greedy_head import ScreenedArgmax
 from liteinfer.layers.linear import linear
 
 
@@ -61,8 +63,19 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
             self.weight.weight_loader = self.load_weight
         self.quantized: Callable[[torch.Tensor], torch.Tensor] | None = None  # as in Linear
+        self.screened: ScreenedArgmax | None = None  # set by `screen_greedy`
 
     load_weight = VocabEmbedding.load_weight  # the same rows of the same [vocab, hidden] layout
+
+    def screen_greedy(self) -> None:
+        """Prepare `greedy_tokens` where it pays: an fp32 head packed for our kernel, held whole by this rank."""
+        if self.screened is None and self.tp.size == 1 and ScreenedArgmax.takes(self.weight):
+            self.screened = ScreenedArgmax(self.weight, self.vocab_size)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's greedy token, the argmax that `forward`'s logits would give, where `screen_greedy` prepared it
+        and the logits are finite; None otherwise (compute the logits)."""
+        return None if self.screened is None else self.screened(hidden, self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.quantized(hidden) if self.quantized is not None else linear(hidden, self.weight)

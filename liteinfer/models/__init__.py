@@ -4,8 +4,9 @@ Contract: a model class is registered here under the Hugging Face `architectures
 transformers config (and, to build one tensor-parallel rank's shard, that rank's `TensorParallelGroup`), allocates
 its parameters empty (the loader streams the checkpoint in), and exposes `forward(input_ids [T], positions [T],
 attn_metadata) -> hidden [T, H]` over a packed batch and `compute_logits(hidden [N, H]) -> [N, vocab]` (None on
-ranks other than 0), so the runner pays for the LM head only where it samples. Models own no KV cache and no
-request state. `transformers` supplies configs and tokenizers here, never modelling code.
+ranks other than 0), so the runner pays for the LM head only where it samples, and `greedy_tokens(hidden [N, H])
+-> [N] or None`, each row's argmax of those logits where the head can find it without computing them all. Models
+own no KV cache and no request state. `transformers` supplies configs and tokenizers here, never modelling code.
 """
 
 from __future__ import annotations

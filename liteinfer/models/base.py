@@ -115,3 +115,8 @@ class DecoderForCausalLM(nn.Module):
         if logits is not None and self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of `compute_logits(hidden)`, where the head finds it without computing every logit
+        (`LMHead.greedy_tokens`); None where it does not."""
+        return self.lm_head.greedy_tokens(hidden)

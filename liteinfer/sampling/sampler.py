@@ -93,7 +93,7 @@ class Sampler:
         # as `_edited_tokens` masks it decides): the masked argmax is the same token in every other case.
         for i in plain:
             row = rows[i]
-            if row.below_min_tokens and token_ids[i] in self._stop_ids(row):
+            if self._may_not_sample(row, token_ids[i]):
                 masked = logits[i].to(torch.float32, copy=True)
                 masked[self._stop_ids(row)] = -float("inf")
                 token_ids[i] = int(argmax_rows(masked[None]))
@@ -107,6 +107,26 @@ class Sampler:
             for i, logprob, top in zip(logprob_rows, row_logprobs, row_tops, strict=True):
                 logprobs[i], top_logprobs[i] = logprob, top
         return SamplerOutput(token_ids, logprobs, top_logprobs)
+
+    @staticmethod
+    def takes_argmax(rows: list[SamplingRow]) -> bool:
+        """Whether each row's token is its logits' argmax (greedy, no penalties, no logprobs) but where that is a
+        token the row may not sample yet: `from_argmax` then gives what a call on the logits gives."""
+        return all(row.params.is_greedy and not _uses_penalty(row.params) and row.params.logprobs is None
+                   for row in rows)
+
+    def from_argmax(self, argmax: list[int], rows: list[SamplingRow],
+                    logits_of: Callable[[list[int]], torch.Tensor]) -> SamplerOutput:
+        """What `self(logits, rows)` gives for rows that `takes_argmax`, from their logits' argmax (a head that finds
+        it without computing every logit: layers/greedy_head.py). `logits_of(indices)` computes those rows' logits,
+        asked for only where the argmax is a token the row may not sample yet."""
+        token_ids = list(argmax)
+        held_back = [i for i, row in enumerate(rows) if self._may_not_sample(row, token_ids[i])]
+        if held_back:
+            redone = self(logits_of(held_back), [rows[i] for i in held_back])
+            for i, token in zip(held_back, redone.token_ids, strict=True):
+                token_ids[i] = token
+        return SamplerOutput(token_ids, [None] * len(rows), [None] * len(rows))
 
     def _edited_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Tokens of rows with penalties or sampling, from their float logits (edited in place)."""
@@ -131,6 +151,9 @@ class Sampler:
     def _stop_ids(self, row: SamplingRow) -> list[int]:
         """What a row below its min_tokens may not sample: EOS and its stop token ids."""
         return self.eos_token_ids + row.params.stop_token_ids
+
+    def _may_not_sample(self, row: SamplingRow, token: int) -> bool:
+        return row.below_min_tokens and token in self._stop_ids(row)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -284,3 +284,32 @@ def test_sampler_greedy_below_min_tokens_is_the_masked_argmax(seed, dtype, stop_
         expected[:, [EOS, *stop_ids]] = NEG_INF
     assert out.token_ids == expected.argmax(-1).tolist()
     assert torch.equal(logits, original)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), stop_ids=st.lists(st.integers(1, 31), max_size=3), num_output=st.integers(0, 3))
+def test_from_argmax_is_the_sampler_on_the_logits(seed, stop_ids, num_output):
+    """Rows that take their logits' argmax, given it (as a screened head gives it): the tokens a call on the logits
+    gives, the logits asked for only for rows whose argmax they may not sample yet."""
+    sampler = Sampler(eos_token_ids={EOS})
+    logits = torch.randn(6, 32, generator=torch.Generator().manual_seed(seed))
+    logits[:3, [EOS, *stop_ids]] += 3  # the first rows' argmax likely a stop token
+    rows = [make_row(output=[5] * num_output, temperature=0, min_tokens=2, stop_token_ids=stop_ids) for _ in range(6)]
+    assert Sampler.takes_argmax(rows)
+    asked = []
+
+    def logits_of(indices: list[int]) -> torch.Tensor:
+        asked.append(indices)
+        return logits[indices]
+
+    argmax = logits.argmax(-1).tolist()
+    out = sampler.from_argmax(argmax, rows, logits_of)
+    assert out == sampler(logits, rows)
+    held_back = [i for i, token in enumerate(argmax) if num_output < 2 and token in [EOS, *stop_ids]]
+    assert asked == ([held_back] if held_back else [])
+
+
+def test_takes_argmax_only_for_plain_greedy_rows():
+    assert Sampler.takes_argmax([make_row(temperature=0), make_row(temperature=0, min_tokens=4, ignore_eos=True)])
+    for params in (dict(temperature=0.7), dict(temperature=0, logprobs=2), dict(temperature=0, presence_penalty=0.5)):
+        assert not Sampler.takes_argmax([make_row(temperature=0), make_row(**params)])
