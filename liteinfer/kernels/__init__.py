@@ -1,6 +1,7 @@
 """Kernels of our own, in C++, for what PyTorch has no fast op for on CPU: decode attention that reads the paged KV
 pool in place, float linears on weights packed for them, the matmul of int8 and int4 weights (at any number of rows)
-and the one-row matmul of float ones, the greedy argmax of a step's logits, and a decoder layer's per-token
+and the one-row matmul of float ones, the greedy argmax of a step's logits (and its candidates from logits known
+within a bound), and a decoder layer's per-token
 operations (RMSNorm, rotary, gated activation, the K/V cache write) in one pass each for the steps that run eagerly
 (the gated activation in compiled graphs too). Two kernels are for CUDA, in Triton: decode and prompt attention over
 the paged pool (`triton_attention.py`, the contracts of `paged_decode_attention` and `paged_prefill_attention` below
@@ -72,6 +73,11 @@ differ by those roundings.
 
 `argmax(logits [rows, vocab] fp32 or bf16)` -> [rows] int64: the first index of each row's largest value, as
 `torch.argmax` gives it, except that NaN is skipped rather than taken as the largest.
+`head_candidates(approx [rows, vocab] bf16, row_terms [rows, 3] fp32, vocab_terms [2, vocab] fp32, relative)` ->
+[n] int64, ascending: the union over the rows of the tokens j whose upper end approx[r, j] + e(r, j) reaches the row's
+largest lower end max_k approx[r, k] - e(r, k), where e(r, j) = row_terms[r, 0] * vocab_terms[0, j] + row_terms[r, 1]
+* vocab_terms[1, j] + row_terms[r, 2] + relative * |approx[r, j]| (layers/greedy_head.py's bound); empty when some
+value of approx is not finite. All contiguous.
 
 The pointwise ops (fp32, bf16, fp16; `pointwise_takes(x)` says when the layers call them) compute in fp32 and round
 to x's dtype wherever the PyTorch expressions in layers/norm.py, rotary.py and activation.py round:

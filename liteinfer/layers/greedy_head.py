@@ -21,8 +21,8 @@ SmolLM2's hidden states a row keeps 1 to 3 candidates (median 1, 21 at most over
 
 Where: heads whose W our packed linear multiplies in fp32 (CPUs with AVX-512 BF16, which multiply bf16 natively),
 held whole by one rank (`screen_greedy`), for steps whose every row takes the plain argmax (engine/model_runner.py).
-It costs a bf16 copy of W (half the fp32 head's memory). A row whose logits are not all finite falls back to the
-full head.
+It costs a bf16 copy of W (half the fp32 head's memory). A step whose bf16 logits are not all finite falls back to
+the full head.
 """
 
 from __future__ import annotations
@@ -62,9 +62,8 @@ class ScreenedArgmax(nn.Module):
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """hidden [rows, in] fp32 -> each row's first largest fp32 logit's token [rows] (int64), as
-        argmax(linear(hidden, weight)) gives it; None when some logit is not finite."""
-        if not bool(torch.isfinite(hidden).all()):
-            return None
+        argmax(linear(hidden, weight)) gives it; None when some bf16 logit is not finite (hidden's NaN and infinities
+        included), which the bound cannot take."""
         rounded = hidden.bfloat16()
         approx = linear(rounded, self.weight_bf16)[:, : self.vocab_size].contiguous()
         candidates = torch.ops.liteinfer.head_candidates(approx, self._row_terms(hidden, rounded), self.vocab_terms,

@@ -68,10 +68,11 @@ def test_screened_argmax_is_the_full_heads_argmax(rows, vocab, scale, ties, seed
     assert torch.equal(screened(hidden, packed), full_argmax(hidden, packed, vocab))
 
 
-def test_screened_argmax_declines_what_is_not_finite():
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 3e38])  # the last finite, its logits overflowing
+def test_screened_argmax_declines_what_is_not_finite(value):
     weight = pack_weight(torch.randn(64, 32))
     hidden = torch.randn(2, 32)
-    hidden[1, 3] = float("nan")
+    hidden[1, 3] = value
     assert ScreenedArgmax(weight, 64)(hidden, weight) is None
 
 
