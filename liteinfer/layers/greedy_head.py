@@ -17,7 +17,8 @@ The bound, for x a row of hidden states and w_j a row of W (x' and w'_j rounded 
   its output rounded to bf16: within 2^-8 |a~_j|.
 So e_j = |w_j| (|x - x'| + g (|x| + |x'|)) + |w_j - w'_j| |x'| (1 + g) + 2^-8 |a~_j|, widened by a margin for the
 rounding of these terms themselves (`_MARGIN`, and an absolute term far above any subnormal the tiles flush). On
-SmolLM2's hidden states a row keeps 1 to 3 candidates (median 1, 21 at most over 768 rows of 16 prompts).
+SmolLM2's hidden states a row keeps one candidate on the median, three at the 90th percentile, 21 at most (768 rows
+of 16 prompts; docs/benchmarks.md).
 
 Where: heads whose W our packed linear multiplies in fp32 (CPUs with AVX-512 BF16, which multiply bf16 natively),
 held whole by one rank (`screen_greedy`), for steps whose every row takes the plain argmax (engine/model_runner.py).
