@@ -23,7 +23,7 @@ of 16 prompts; docs/benchmarks.md).
 Where: heads whose W our packed linear multiplies in fp32 (CPUs with AVX-512 BF16, which multiply bf16 natively),
 held whole by one rank (`screen_greedy`), for steps whose every row takes the plain argmax (engine/model_runner.py).
 It costs a bf16 copy of W (half the fp32 head's memory). A step whose bf16 logits are not all finite falls back to
-the full head.
+the full head, as does one that leaves more than half the vocabulary as candidates.
 """
 
 from __future__ import annotations
@@ -64,16 +64,22 @@ class ScreenedArgmax(nn.Module):
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """hidden [rows, in] fp32 -> each row's first largest fp32 logit's token [rows] (int64), as
         argmax(linear(hidden, weight)) gives it; None when some bf16 logit is not finite (hidden's NaN and infinities
-        included), which the bound cannot take."""
-        rounded = hidden.bfloat16()
-        approx = linear(rounded, self.weight_bf16)[:, : self.vocab_size].contiguous()
-        candidates = torch.ops.liteinfer.head_candidates(approx, self._row_terms(hidden, rounded), self.vocab_terms,
-                                                         _OUTPUT_ROUNDING * _MARGIN)
-        if len(candidates) == 0:
+        included), which the bound cannot take, or when more than half the vocabulary stays a candidate (logits so
+        alike that only a degenerate model gives them)."""
+        candidates = self.candidates(hidden)
+        # None found (a logit not finite), or so many that copying their rows would cost more than the full head.
+        if not 0 < len(candidates) <= self.vocab_size // 2:
             return None
         exact = linear(hidden, _packed_rows(weight, candidates))[:, : len(candidates)]
         # Candidates ascend, so the first of a row's largest is the full head's first too.
         return candidates[torch.ops.liteinfer.argmax(exact)]
+
+    def candidates(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The tokens, ascending, that can hold some row's largest fp32 logit; none when a bf16 logit is not finite."""
+        rounded = hidden.bfloat16()
+        approx = linear(rounded, self.weight_bf16)[:, : self.vocab_size].contiguous()
+        return torch.ops.liteinfer.head_candidates(approx, self._row_terms(hidden, rounded), self.vocab_terms,
+                                                   _OUTPUT_ROUNDING * _MARGIN)
 
     @staticmethod
     def _row_terms(hidden: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
