@@ -1,12 +1,12 @@
 """Kernels of our own, in C++, for what PyTorch has no fast op for on CPU: decode attention that reads the paged KV
 pool in place, float linears on weights packed for them, the matmul of int8 and int4 weights (at any number of rows)
 and the one-row matmul of float ones, the greedy argmax of a step's logits (and its candidates from logits known
-within a bound), and a decoder layer's per-token
-operations (RMSNorm, rotary, gated activation, the K/V cache write) in one pass each for the steps that run eagerly
-(the gated activation in compiled graphs too). Two kernels are for CUDA, in Triton: decode and prompt attention over
-the paged pool (`triton_attention.py`, the contracts of `paged_decode_attention` and `paged_prefill_attention` below
-for plain pools, the prompt one for blocks of 16 keys or more, with soft-capping, and the most tokens a span holds
-given; imported by the attention layer where Triton is installed, not built by `load()`).
+within a bound), and a decoder layer's per-token operations (RMSNorm, rotary, gated activation, the K/V cache write)
+in one pass each for the steps that run eagerly (the gated activation in compiled graphs too). Two kernels are for
+CUDA, in Triton: decode and prompt attention over the paged pool (`triton_attention.py`, the contracts of
+`paged_decode_attention` and `paged_prefill_attention` below for plain pools, the prompt one for blocks of 16 keys or
+more, with soft-capping, and the most tokens a span holds given; imported by the attention layer where Triton is
+installed, not built by `load()`).
 
 Contract: `load()` compiles the sources next to this file with the machine's C++ compiler (torch's extension
 builder; the first time only, then cached under TORCH_EXTENSIONS_DIR, one build per CPU, Python and torch, since

@@ -155,8 +155,8 @@ struct RowBound {
 // (one or two of a row's few hundred, on a real model's logits).
 constexpr int64_t kRun = 128;
 
-void row_candidates(const uint16_t* a, const float* norm, const float* rounding, int64_t n, RowBound b,
-                    std::vector<int32_t>& out, bool& finite) {
+bool row_candidates(const uint16_t* a, const float* norm, const float* rounding, int64_t n, RowBound b,
+                    std::vector<int32_t>& out) {
   const __m512 alpha = _mm512_set1_ps(b.alpha), beta = _mm512_set1_ps(b.beta);
   const __m512 absolute = _mm512_set1_ps(b.absolute), relative = _mm512_set1_ps(b.relative);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -187,7 +187,6 @@ void row_candidates(const uint16_t* a, const float* norm, const float* rounding,
     }
     run_upper[run] = _mm512_reduce_max_ps(upper);
   }
-  finite = finite && not_finite == 0;
   const float largest_lower = _mm512_reduce_max_ps(lower);
   for (int64_t run = 0; run * kRun < n; ++run) {
     if (run_upper[run] < largest_lower) continue;
@@ -202,20 +201,22 @@ void row_candidates(const uint16_t* a, const float* norm, const float* rounding,
       }
     }
   }
+  return not_finite == 0;
 }
 #else
-void row_candidates(const uint16_t* a, const float* norm, const float* rounding, int64_t n, RowBound b,
-                    std::vector<int32_t>& out, bool& finite) {
-  auto bf16_finite = [](uint16_t bits) { return (bits & 0x7F80) != 0x7F80; };  // exponent not all ones
+bool row_candidates(const uint16_t* a, const float* norm, const float* rounding, int64_t n, RowBound b,
+                    std::vector<int32_t>& out) {
   auto value = [&](int64_t j) { return c10::detail::f32_from_bits(a[j]); };
+  bool finite = true;
   float lower = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) {
-    finite = finite && bf16_finite(a[j]);
+    finite = finite && (a[j] & 0x7F80) != 0x7F80;  // the exponent not all ones
     lower = std::max(lower, value(j) - b.error(value(j), norm[j], rounding[j]));
   }
   for (int64_t j = 0; j < n; ++j) {
     if (value(j) + b.error(value(j), norm[j], rounding[j]) >= lower) out.push_back(static_cast<int32_t>(j));
   }
+  return finite;
 }
 #endif
 
@@ -238,15 +239,12 @@ at::Tensor head_candidates(const at::Tensor& approx, const at::Tensor& row_terms
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const RowBound bound{terms[3 * r], terms[3 * r + 1], terms[3 * r + 2], static_cast<float>(relative)};
-      bool row_finite = true;
-      row_candidates(a + r * n, norm, rounding, n, bound, found[r], row_finite);
-      finite[r] = row_finite;
+      finite[r] = row_candidates(a + r * n, norm, rounding, n, bound, found[r]);
     }
   });
-  at::Tensor none = at::empty({0}, approx.options().dtype(at::kLong));
   std::vector<char> chosen(n, 0);
   for (int64_t r = 0; r < rows; ++r) {
-    if (!finite[r]) return none;
+    if (!finite[r]) return at::empty({0}, approx.options().dtype(at::kLong));
     for (const int32_t j : found[r]) chosen[j] = 1;
   }
   std::vector<int64_t> ids;

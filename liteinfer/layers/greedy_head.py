@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from liteinfer.layers.linear import PACKED_GROUP, linear, pack_weight, unpack_weight
+from liteinfer.layers.linear import linear, pack_weight, packed_rows, unpack_weight
 
 _ROUNDING = 2.0**-23  # twice fp32's unit roundoff: a bound for any one rounding of a sum, however the tiles round
 _OUTPUT_ROUNDING = 2.0**-8  # bf16's unit roundoff: the bf16 head's outputs
@@ -70,7 +70,7 @@ class ScreenedArgmax(nn.Module):
         # None found (a logit not finite), or so many that copying their rows would cost more than the full head.
         if not 0 < len(candidates) <= self.vocab_size // 2:
             return None
-        exact = linear(hidden, _packed_rows(weight, candidates))[:, : len(candidates)]
+        exact = linear(hidden, packed_rows(weight, candidates))[:, : len(candidates)]
         # Candidates ascend, so the first of a row's largest is the full head's first too.
         return candidates[torch.ops.liteinfer.argmax(exact)]
 
@@ -95,18 +95,3 @@ class ScreenedArgmax(nn.Module):
         ], dim=1)
         return (terms * _MARGIN).float()
 
-
-def _packed_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The given output rows of a W packed by `pack_weight`, packed on their own (padded with zero rows to a multiple
-    of 16), without unpacking the rest."""
-    blocks, steps, _, pair = weight.shape
-    out_features, in_features = blocks * 16, steps * pair
-    group_start = rows - rows % PACKED_GROUP
-    group_size = (out_features - group_start).clamp(max=PACKED_GROUP)
-    # pack_weight's order: group by group; in a group, input step by step, each step the group's outputs side by side.
-    inputs = torch.arange(in_features)
-    index = (group_start[:, None] * in_features + (inputs // pair) * (group_size[:, None] * pair)
-             + (rows - group_start)[:, None] * pair + inputs % pair)
-    picked = weight.reshape(-1)[index]
-    padding = -len(rows) % 16
-    return pack_weight(torch.cat([picked, picked.new_zeros(padding, in_features)]) if padding else picked)

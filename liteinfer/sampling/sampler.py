@@ -77,8 +77,8 @@ class Sampler:
 
         # Greedy rows without penalties take the argmax of the raw logits, with no copy. Rows that a stage edits
         # (penalties, temperature, truncation) get a float copy of their own.
-        edited = [i for i, p in enumerate(params) if _uses_penalty(p) or not p.is_greedy]
-        plain = [i for i, p in enumerate(params) if p.is_greedy and not _uses_penalty(p)]
+        edited = [i for i, p in enumerate(params) if not _plain_greedy(p)]
+        plain = [i for i, p in enumerate(params) if _plain_greedy(p)]
         if not edited:
             tokens = argmax_rows(logits)
         else:
@@ -112,8 +112,7 @@ class Sampler:
     def takes_argmax(rows: list[SamplingRow]) -> bool:
         """Whether each row's token is its logits' argmax (greedy, no penalties, no logprobs) but where that is a
         token the row may not sample yet: `from_argmax` then gives what a call on the logits gives."""
-        return all(row.params.is_greedy and not _uses_penalty(row.params) and row.params.logprobs is None
-                   for row in rows)
+        return all(_plain_greedy(row.params) and row.params.logprobs is None for row in rows)
 
     def from_argmax(self, argmax: list[int], rows: list[SamplingRow],
                     logits_of: Callable[[list[int]], torch.Tensor]) -> SamplerOutput:
@@ -300,6 +299,11 @@ def _gather_logprobs(
         top.update({t: Logprob(v, r) for t, v, r in zip(ids[:k], values[:k], ranks[:k], strict=True)})
         tops.append(top)
     return row_logprobs, tops
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Whether a row's token is the argmax of its raw logits (unless min_tokens forbids that token)."""
+    return params.is_greedy and not _uses_penalty(params)
 
 
 def _uses_penalty(params: SamplingParams) -> bool:

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from liteinfer import kernels
 from liteinfer.layers import LMHead
-from liteinfer.layers.greedy_head import ScreenedArgmax, _packed_rows
-from liteinfer.layers.linear import linear, pack_weight
+from liteinfer.layers.greedy_head import ScreenedArgmax
+from liteinfer.layers.linear import linear, pack_weight, packed_rows
 
 pytestmark = pytest.mark.skipif(not (kernels.load() and kernels.packed_linear_available(torch.float32)),
                                 reason="the packed linear multiplies fp32 only on CPUs with AVX-512 BF16")
@@ -26,7 +26,7 @@ def test_packed_rows_are_the_rows_packed_alone(dtype, out_features):
     rows = torch.tensor(sorted({0, 17 % out_features, out_features - 1, out_features // 2}))
     expected = weight[rows]
     padded = torch.cat([expected, expected.new_zeros(-len(rows) % 16, 64)])
-    assert torch.equal(_packed_rows(pack_weight(weight), rows), pack_weight(padded))
+    assert torch.equal(packed_rows(pack_weight(weight), rows), pack_weight(padded))
 
 
 @settings(max_examples=25, deadline=None)
@@ -38,7 +38,7 @@ def test_a_candidate_logit_has_its_bits_in_the_full_head(rows, picked, seed):
     weight = pack_weight(torch.randn(480, 96, generator=generator))
     x = torch.randn(rows, 96, generator=generator)
     ids = torch.randperm(480, generator=generator)[:picked].sort().values
-    assert torch.equal(linear(x, _packed_rows(weight, ids))[:, :picked], linear(x, weight)[:, ids])
+    assert torch.equal(linear(x, packed_rows(weight, ids))[:, :picked], linear(x, weight)[:, ids])
 
 
 @settings(max_examples=40, deadline=None)
