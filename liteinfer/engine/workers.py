@@ -99,9 +99,9 @@ class ShardSpec:
 
 def pack_weights(model: nn.Module, onednn: bool = True) -> None:
     """Pack the float weights that quantization left (all of them without it) for the fastest kernels
-    (`layers/linear.py: pack_linears`; with onednn=False, only those torch.compile can trace), and let an fp32 head
-    give greedy tokens from bf16 logits (`LMHead.screen_greedy`) unless the model caps its logits (capped logits
-    can tie where the raw ones do not)."""
+    (`layers/linear.py: pack_linears`; with onednn=False, only those torch.compile can trace), and let the head give
+    greedy tokens from its logits in bytes and a few exact ones (`LMHead.screen_greedy`) unless the model caps its
+    logits (capped logits can tie where the raw ones do not)."""
     pack_linears(model, (Linear, LMHead), onednn)
     if getattr(model, "final_softcap", None) is None:
         for module in model.modules():

@@ -1,9 +1,9 @@
-"""Kernels of our own, in C++, for what PyTorch has no fast op for on CPU: decode attention that reads the paged KV
-pool in place, float linears on weights packed for them, the matmul of int8 and int4 weights (at any number of rows)
-and the one-row matmul of float ones, the greedy argmax of a step's logits (and its candidates from logits known
-within a bound), and a decoder layer's per-token operations (RMSNorm, rotary, gated activation, the K/V cache write)
-in one pass each for the steps that run eagerly (the gated activation in compiled graphs too). Two kernels are for
-CUDA, in Triton: decode and prompt attention over the paged pool (`triton_attention.py`, the contracts of
+"""Kernels of our own, in C++, for what PyTorch has no fast op for on CPU: decode attention that reads the paged KV pool
+in place, float linears on weights packed for them, the matmul of int8 and int4 weights (at any number of rows) and the
+one-row matmul of float ones, the greedy argmax of a step's logits (and the tokens that can hold it, from the head
+multiplied in bytes), and a decoder layer's per-token operations (RMSNorm, rotary, gated activation, the K/V cache
+write) in one pass each for the steps that run eagerly (the gated activation in compiled graphs too). Two kernels are
+for CUDA, in Triton: decode and prompt attention over the paged pool (`triton_attention.py`, the contracts of
 `paged_decode_attention` and `paged_prefill_attention` below for plain pools, the prompt one for blocks of 16 keys or
 more, with soft-capping, and the most tokens a span holds given; imported by the attention layer where Triton is
 installed, not built by `load()`).
@@ -73,12 +73,17 @@ differ by those roundings.
 
 `argmax(logits [rows, vocab] fp32 or bf16)` -> [rows] int64: the first index of each row's largest value, as
 `torch.argmax` gives it, except that NaN is skipped rather than taken as the largest.
-`head_candidates(approx [rows, vocab] bf16, row_terms [rows, 3] fp32, vocab_terms [2, vocab] fp32, relative)` ->
-[n] int64, ascending: the union over the rows of the tokens j whose upper end approx[r, j] + e(r, j) reaches the row's
-largest lower end max_k approx[r, k] - e(r, k), where e(r, j) = row_terms[r, 0] * vocab_terms[0, j] + row_terms[r, 1]
-* vocab_terms[1, j] + row_terms[r, 2] + relative * |approx[r, j]| (layers/greedy_head.py's bound); empty when some
-value of approx is not finite. All contiguous.
-
+`head_screen(hidden [rows, in] fp32 or bf16, outlier_dims [D] int64, levels [tokens / 64, in / 4, 64, 4] int8,
+level_scales [tokens] fp32, level_offsets [tokens] int32, outlier_weights [tokens / 64, D, 64] fp32, vocab_terms
+[2, vocab] fp32, relative)` -> (candidates [n] int64, ascending; approx [rows, tokens] fp32): layers/greedy_head.py's
+screen. Each row x is rounded to levels l = round(x_R / s) + 128 (uint8; x_R is x with the outlier dims zeroed, s its
+largest |element| / 127), and approx[r, j] = s * level_scales[j] * (sum_k l_k levels[j, k] - level_offsets[j]) +
+sum_d x[outlier_dims[d]] outlier_weights[j, d], where levels[j, k] is token j's level for input k (64 tokens' four
+inputs side by side) and outlier_weights[j, d] W's own value for that dim. A token j < vocab is a candidate of row r
+when approx[r, j] + E(r, j) reaches max_k approx[r, k] - E(r, k), E = (1 + relative) e + relative |approx|, where
+e(r, j) = alpha_r vocab_terms[0, j] + beta_r vocab_terms[1, j] + 1e-6 and alpha_r, beta_r the row's terms of
+greedy_head.py's bound (from x's norms, computed in fp64); candidates is the union over the rows, empty when some value
+of hidden or approx is not finite. Built on CPUs with AVX-512 VNNI (`head_screen_available()`); at most 65,536 inputs.
 The pointwise ops (fp32, bf16, fp16; `pointwise_takes(x)` says when the layers call them) compute in fp32 and round
 to x's dtype wherever the PyTorch expressions in layers/norm.py, rotary.py and activation.py round:
 `rms_norm(x [rows, size], weight [size], eps, gemma)` -> norm(x); `add_rms_norm(x, residual, weight, eps, gemma)`
@@ -155,6 +160,11 @@ def pointwise_takes(x: torch.Tensor, in_graphs: bool = False) -> bool:
             and (in_graphs or not torch.compiler.is_compiling()))
 
 
+def head_screen_available() -> bool:
+    """Whether the greedy head's screen is built here: CPUs with AVX-512 VNNI."""
+    return available() and hasattr(torch.ops.liteinfer, "head_screen")
+
+
 def packed_linear_available(dtype: torch.dtype) -> bool:
     """Whether the packed linear multiplies `dtype` here: fp32 and bf16 on CPUs with AVX-512 BF16, bf16 on CPUs with
     AVX2 and FMA (whose fp32 stays oneDNN's), nothing elsewhere (float weights stay oneDNN's or PyTorch's)."""
@@ -162,7 +172,7 @@ def packed_linear_available(dtype: torch.dtype) -> bool:
             and torch.ops.liteinfer.packed_linear_takes(dtype))
 
 
-SOURCES = ("paged_attention.cpp", "gemv.cpp", "packed_linear.cpp", "argmax.cpp", "pointwise.cpp")
+SOURCES = ("paged_attention.cpp", "gemv.cpp", "packed_linear.cpp", "argmax.cpp", "greedy_head.cpp", "pointwise.cpp")
 
 
 def source_files() -> list[Path]:

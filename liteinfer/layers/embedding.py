@@ -68,7 +68,8 @@ class LMHead(nn.Module):
     load_weight = VocabEmbedding.load_weight  # the same rows of the same [vocab, hidden] layout
 
     def screen_greedy(self) -> None:
-        """Prepare `greedy_tokens` where it pays: an fp32 head packed for our kernel, held whole by this rank."""
+        """Prepare `greedy_tokens` where it pays: a float head packed for our kernel, held whole by this rank, on a
+        CPU that the screen's build serves (layers/greedy_head.py)."""
         if self.screened is None and self.tp.size == 1 and ScreenedArgmax.takes(self.weight):
             self.screened = ScreenedArgmax(self.weight, self.vocab_size)
 

@@ -1,29 +1,44 @@
-"""The greedy tokens of an fp32 LM head from its logits in bf16, and the fp32 logits of a few candidates only.
+"""A float LM head's greedy tokens from logits in bytes, and the exact logits of a few candidates only.
 
-An fp32 head is the largest single matmul of a small model's decode step (SmolLM2: 49,152 x 576, 113 MB, a fifth of
-an fp32 step's linears), and a greedy step needs only each row's largest logit. The same head in bf16 runs in half
-the time (half the bytes, twice the multiplies a cycle); its logits a~ differ from the fp32 ones L by at most a bound
-e that is known per row r and token j, so only the tokens whose interval [a~ - e, a~ + e] reaches the largest lower
-end of the row can hold its largest fp32 logit. Those candidates' fp32 logits are computed by the same kernel, on W's
-rows for them alone, which gives every token the bits it has in the full head (a row's sum over the inputs does not
-depend on the outputs beside it: tests/unit/test_greedy_head.py); the first of their largest is the token the full
-head's argmax gives, ties included, since every other token is strictly below some candidate.
+The head is the largest single matmul of a small model's decode step (SmolLM2: 49,152 x 576, a fifth of a step's
+linears), and a greedy step needs only each row's largest logit. The screen (`torch.ops.liteinfer.head_screen`)
+multiplies bytes: x's row rounded to uint8 levels, W's rows to int8 levels (one scale a token), so that vpdpbusd takes
+64 products an instruction, twice what bf16 pairs take, over half a bf16 head's bytes. Its logits a differ from the
+head's own by at most a bound e, known per row and token, so only the tokens whose interval [a - e, a + e] reaches the
+largest lower end of the row can hold its largest logit. Those candidates' logits are computed by the head's own
+kernel on W's rows for them alone, which gives every token the bits it has in the full head (a row's sum over the
+inputs does not depend on the outputs beside it: tests/unit/test_greedy_head.py); the first of their largest is the
+token the full head's argmax gives, ties included, since every other token is strictly below some candidate.
 
-The bound, for x a row of hidden states and w_j a row of W (x' and w'_j rounded to bf16; norms Euclidean; K inputs):
-  L_j = x.w_j to within g |x||w_j|, its fp32 sum's rounding (g = K 2^-23 / (1 - K 2^-23), twice the worst case of
-        one rounding an addition);
-  x.w_j - x'.w'_j = (x - x').w_j + x'.(w_j - w'_j), at most |x - x'||w_j| + |x'||w_j - w'_j|;
-  the bf16 head's own fp32 sum of x'.w'_j: within g |x'||w'_j| <= g |x'| (|w_j| + |w_j - w'_j|);
-  its output rounded to bf16: within 2^-8 |a~_j|.
-So e_j = |w_j| (|x - x'| + g (|x| + |x'|)) + |w_j - w'_j| |x'| (1 + g) + 2^-8 |a~_j|, widened by a margin for the
-rounding of these terms themselves (`_MARGIN`, and an absolute term far above any subnormal the tiles flush). On
-SmolLM2's hidden states a row keeps one candidate on the median, three at the 90th percentile, 21 at most (768 rows
-of 16 prompts; docs/benchmarks.md).
+A model's final hidden states carry a few dims far above the rest (SmolLM2: |x| ~52, of which one dim ~36 and another
+~16): rounded with them, every other input would lose its levels. So the `OUTLIER_DIMS` dims with the largest |x| so
+far (summed over the rows of the 1st, 2nd, 4th, 8th ... call) are left out of x's levels and multiplied in bf16 pairs
+against W's columns for them (both exact in a bf16 model). Which dims they are changes how many candidates a row
+keeps, never its token.
 
-Where: heads whose W our packed linear multiplies in fp32 (CPUs with AVX-512 BF16, which multiply bf16 natively),
-held whole by one rank (`screen_greedy`), for steps whose every row takes the plain argmax (engine/model_runner.py).
-It costs a bf16 copy of W (half the fp32 head's memory). A step whose bf16 logits are not all finite falls back to
-the full head, as does one that leaves more than half the vocabulary as candidates.
+The bound, for x a row of hidden states (x_R: x with the outlier dims zeroed, x'_R its levels times its scale; x_O the
+outlier dims, x'_O rounded to bf16), w_j a row of W (w'_j: its levels times its scale; its outlier columns rounded to
+bf16 off by at most r_w |w_j|, r_w = 2^-8 for an fp32 head, 0 for a bf16 one), K inputs, D outlier dims, norms
+Euclidean:
+  the head's own logit v_j, an fp32 sum of K products, lies within g_K |x||w_j| of x.w_j (g_n = n 2^-23 / (1 - n
+        2^-23): twice the worst case of n roundings);
+  x.w_j minus the screen's products is (x_R - x'_R).w_j + x'_R.(w_j - w'_j) + (x_O - x'_O).w_j + x'_O.(the outlier
+        columns' rounding), at most |x_R - x'_R||w_j| + |x'_R||w_j - w'_j| + |x_O - x'_O||w_j| + r_w |x'_O||w_j|;
+  the screen's own roundings (the byte sum converted, scaled twice, two per pair of outlier dims): within g_{D+4}
+        (|x'_R| (|w_j| + |w_j - w'_j|) + (1 + r_w) |x'_O||w_j|).
+So e_j = |w_j| (|x_R - x'_R| + |x_O - x'_O| + r_w |x'_O| + g_K |x| + g_{D+4} (|x'_R| + (1 + r_w) |x'_O|))
++ |w_j - w'_j| |x'_R| (1 + g_{D+4}), widened by a margin for the rounding of these terms themselves (and an absolute
+term far above any subnormal the tiles flush). A bf16 head's logits are then rounded to bf16 (relative error r =
+2^-8), which may tie two of them: the interval is widened to (1 + r) e_j + r |a_j| on both sides, so that a token left
+out rounds strictly below a candidate. On SmolLM2 a 32-row step keeps 42 candidates on the median in bf16 and 84 in
+fp32 (docs/benchmarks.md).
+
+Where: heads whose W our packed linear multiplies (fp32 and bf16 on CPUs with AVX-512 BF16; the screen needs VNNI),
+but for bf16 heads on CPUs with AMX, whose tiles multiply bf16 faster (not measured there), held whole by one rank
+(`screen_greedy`), for steps whose every row takes the plain argmax (engine/model_runner.py).
+It costs W's levels (a quarter of an fp32 head's memory, half a bf16 one's) and its outlier columns in bf16. A step
+whose hidden states or screened logits are not all finite falls back to the full head, as does one that leaves more
+than half the vocabulary as candidates.
 """
 
 from __future__ import annotations
@@ -31,67 +46,99 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from liteinfer.layers.linear import linear, pack_weight, packed_rows, unpack_weight
+from liteinfer import kernels
+from liteinfer.layers.linear import linear, packed_entries, packed_rows, unpack_weight
 
-_ROUNDING = 2.0**-23  # twice fp32's unit roundoff: a bound for any one rounding of a sum, however the tiles round
-_OUTPUT_ROUNDING = 2.0**-8  # bf16's unit roundoff: the bf16 head's outputs
+OUTLIER_DIMS = 32  # x's dims multiplied exactly: on SmolLM2, 16 left a tenth of the rows with 20+ candidates
+_BLOCK = 64  # tokens a block of the screen's layout
+_OUTPUT_ROUNDING = 2.0**-8  # bf16's unit roundoff: a bf16 head's outputs
 _MARGIN = 1 + 2.0**-10  # the bound's own terms, computed in fp64 and fp32, widened by this
-_ABSOLUTE = 1e-6  # added to every bound: far above what flushed subnormals can change
-_CHUNK_ROWS = 4096  # W's rows at a time when its norms are computed in fp64
+_CHUNK_ROWS = 4096  # W's rows at a time when its levels and norms are computed in fp64
+_MAX_INPUTS = 65536  # a row's byte sum, at most inputs * 255 * 127, stays within int32
 
 
 class ScreenedArgmax(nn.Module):
-    """Each row's greedy token of an fp32 head W (packed by `pack_weight`), from a bf16 copy and a few fp32 rows."""
+    """Each row's greedy token of a float head W (packed by `pack_weight`), from W's levels and a few exact rows."""
 
     def __init__(self, weight: torch.Tensor, vocab_size: int):
         super().__init__()
-        plain = unpack_weight(weight)  # with its padding rows, if any: they make whole blocks of 16 outputs
+        plain = unpack_weight(weight)
         self.vocab_size = vocab_size
-        self.register_buffer("weight_bf16", pack_weight(plain.bfloat16()))
-        norms = []
+        # A bf16 head's logits are rounded to bf16; an fp32 head's outlier columns are, in the screen.
+        bf16 = weight.dtype == torch.bfloat16
+        self.relative = _OUTPUT_ROUNDING * _MARGIN if bf16 else 0.0
+        self.weight_rounding = 0.0 if bf16 else _OUTPUT_ROUNDING * _MARGIN
+        levels, scales, norms = [], [], []
         for rows in plain[:vocab_size].split(_CHUNK_ROWS):
             rows = rows.double()
-            norms.append(torch.stack([rows.norm(dim=1), (rows - rows.bfloat16().double()).norm(dim=1)]))
+            scale = (rows.abs().amax(dim=1) / 127).float().double()  # the fp32 scale the screen multiplies by
+            scale[scale == 0] = 1
+            level = (rows / scale[:, None]).round().clamp(-127, 127)
+            levels.append(level.to(torch.int8))
+            scales.append(scale.float())
+            norms.append(torch.stack([rows.norm(dim=1), (rows - level * scale[:, None]).norm(dim=1)]))
+        level = torch.cat(levels)
+        padding = -vocab_size % _BLOCK
+        level = torch.cat([level, level.new_zeros(padding, level.shape[1])])
+        # Plain tensors, not buffers: derived from the head, they are no weights of the model (whose buffers key the
+        # compiled decode step's packages, engine/packaged.py).
+        self.levels = level.view(-1, _BLOCK, level.shape[1] // 4, 4).transpose(1, 2).contiguous()
+        self.level_scales = torch.cat([*scales, torch.ones(padding)])
+        # x's levels are x + 128 (unsigned, as vpdpbusd takes them): each token's sum then carries 128 times its own.
+        self.level_offsets = (level.int().sum(dim=1) * 128).int()
         # [2, vocab]: each row's |w_j| and |w_j - w'_j|, widened so that fp32 holds no less than the fp64 value.
-        self.register_buffer("vocab_terms", (torch.cat(norms, dim=1) * _MARGIN).float().contiguous())
+        self.vocab_terms = (torch.cat(norms, dim=1) * _MARGIN).float().contiguous()
+        self.dim_sums = torch.zeros(plain.shape[1], dtype=torch.float64)
+        self.outlier_dims = torch.empty(0, dtype=torch.long)
+        self.outlier_weights = torch.empty(level.shape[0] // _BLOCK, 0, _BLOCK, 2, dtype=torch.bfloat16)
+        self.calls = 0
 
     @staticmethod
     def takes(weight: torch.Tensor) -> bool:
-        """Whether W is an fp32 head packed for our kernel, which then multiplies bf16 natively too."""
-        return weight is not None and weight.dim() == 4 and weight.dtype == torch.float32
+        """Whether W is a float head packed for our kernel on a CPU that the screen's build serves, and not a bf16
+        head that multiplies in AMX tiles (which take bf16 several times faster than vpdpbusd takes bytes)."""
+        if not (weight is not None and weight.dim() == 4 and weight.dtype in (torch.float32, torch.bfloat16)
+                and kernels.head_screen_available()):
+            return False
+        inputs = weight.shape[1] * weight.shape[3]
+        if inputs % 4 or inputs > _MAX_INPUTS:
+            return False
+        return weight.dtype == torch.float32 or not torch.ops.liteinfer.packed_linear_amx()
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-        """hidden [rows, in] fp32 -> each row's first largest fp32 logit's token [rows] (int64), as
-        argmax(linear(hidden, weight)) gives it; None when some bf16 logit is not finite (hidden's NaN and infinities
-        included), which the bound cannot take, or when more than half the vocabulary stays a candidate (logits so
-        alike that only a degenerate model gives them)."""
-        candidates = self.candidates(hidden)
-        # None found (a logit not finite), or so many that copying their rows would cost more than the full head.
+        """hidden [rows, in] -> each row's first largest logit's token [rows] (int64), as argmax(linear(hidden,
+        weight)) gives it; None when some hidden state or screened logit is not finite, which the bound cannot take,
+        or when more than half the vocabulary stays a candidate (logits so alike that only a degenerate model gives
+        them)."""
+        candidates = self.candidates(hidden, weight)
+        # None found (a value not finite), or so many that copying their rows would cost more than the full head.
         if not 0 < len(candidates) <= self.vocab_size // 2:
             return None
         exact = linear(hidden, packed_rows(weight, candidates))[:, : len(candidates)]
         # Candidates ascend, so the first of a row's largest is the full head's first too.
         return candidates[torch.ops.liteinfer.argmax(exact)]
 
-    def candidates(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The tokens, ascending, that can hold some row's largest fp32 logit; none when a bf16 logit is not finite."""
-        rounded = hidden.bfloat16()
-        approx = linear(rounded, self.weight_bf16)[:, : self.vocab_size].contiguous()
-        return torch.ops.liteinfer.head_candidates(approx, self._row_terms(hidden, rounded), self.vocab_terms,
-                                                   _OUTPUT_ROUNDING * _MARGIN)
+    def candidates(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The tokens, ascending, that can hold some row's largest logit; none when a value is not finite."""
+        hidden = hidden.contiguous()
+        self.calls += 1
+        if self.calls & (self.calls - 1) == 0:  # a power of two
+            self._choose_outlier_dims(hidden, weight)
+        candidates, _ = torch.ops.liteinfer.head_screen(
+            hidden, self.outlier_dims, self.levels, self.level_scales, self.level_offsets, self.outlier_weights,
+            self.vocab_terms, self.relative, self.weight_rounding)
+        return candidates
 
-    @staticmethod
-    def _row_terms(hidden: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
-        """[rows, 3] fp32: what multiplies |w_j|, what multiplies |w_j - w'_j|, and the absolute term (see above)."""
-        x, x_rounded = hidden.double(), rounded.double()
-        inputs = hidden.shape[1]
-        sum_rounding = inputs * _ROUNDING / (1 - inputs * _ROUNDING)
-        norm, norm_rounded = x.norm(dim=1), x_rounded.norm(dim=1)
-        terms = torch.stack([
-            (x - x_rounded).norm(dim=1) + sum_rounding * (norm + norm_rounded),
-            norm_rounded * (1 + sum_rounding),
-            torch.full_like(norm, _ABSOLUTE),
-        ], dim=1)
-        return (terms * _MARGIN).float()
-
+    def _choose_outlier_dims(self, hidden: torch.Tensor, weight: torch.Tensor) -> None:
+        """The OUTLIER_DIMS dims with the largest |x| summed so far, and W's columns for them in bf16, in pairs of dims
+        for blocks of 64 tokens."""
+        self.dim_sums += hidden.double().abs().nan_to_num(posinf=0).sum(dim=0)
+        dims = self.dim_sums.topk(min(OUTLIER_DIMS, len(self.dim_sums))).indices.sort().values  # even: in % 4 == 0
+        if torch.equal(dims, self.outlier_dims):
+            return
+        blocks = self.levels.shape[0]
+        columns = packed_entries(weight, torch.arange(min(blocks * _BLOCK, weight.shape[0] * 16)), dims).bfloat16()
+        columns = torch.cat([columns, columns.new_zeros(blocks * _BLOCK - len(columns), len(dims))])
+        self.outlier_dims = dims
+        self.outlier_weights = columns.view(blocks, _BLOCK, len(dims) // 2, 2).transpose(1, 2).contiguous()

@@ -125,20 +125,25 @@ def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat(rows).reshape(blocks * 16, steps * pair)
 
 
-def packed_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The given output rows of a W packed by `pack_weight`, packed on their own (padded with zero rows to a multiple
-    of 16), without unpacking the rest."""
+def packed_entries(weight: torch.Tensor, rows: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """W[rows][:, inputs] of a W packed by `pack_weight`, read where the packed layout keeps them (W [out, in] is
+    never unpacked whole)."""
     blocks, steps, _, pair = weight.shape
     out_features, in_features = blocks * 16, steps * pair
     group_start = rows - rows % PACKED_GROUP
     group_size = (out_features - group_start).clamp(max=PACKED_GROUP)
     # pack_weight's order: group by group; in a group, input step by step, each step the group's outputs side by side.
-    inputs = torch.arange(in_features)
     index = (group_start[:, None] * in_features + (inputs // pair) * (group_size[:, None] * pair)
              + (rows - group_start)[:, None] * pair + inputs % pair)
-    picked = weight.reshape(-1)[index]
+    return weight.reshape(-1)[index]
+
+
+def packed_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The given output rows of a W packed by `pack_weight`, packed on their own (padded with zero rows to a multiple
+    of 16)."""
+    picked = packed_entries(weight, rows, torch.arange(weight.shape[1] * weight.shape[3]))
     padding = -len(rows) % 16
-    return pack_weight(torch.cat([picked, picked.new_zeros(padding, in_features)]) if padding else picked)
+    return pack_weight(torch.cat([picked, picked.new_zeros(padding, picked.shape[1])]) if padding else picked)
 
 
 def onednn_packs(dtype: torch.dtype) -> bool:

@@ -123,20 +123,23 @@ def test_fp32_compiled_greedy_matches_transformers(hf_model, prompt_ids, smollm2
     check_greedy_parity(llm, hf_model, prompt_ids, smollm2_tokenizer, "fp32 compiled")
 
 
-def test_fp32_head_screened_in_bf16_gives_the_full_heads_tokens(llm_fp32, prompt_ids):
-    """Where the fp32 head's greedy tokens come from its bf16 logits and a few fp32 ones (layers/greedy_head.py, on
-    CPUs with AVX-512 BF16), every prompt's 48 tokens equal the full head's, batched as the parity tests batch them."""
-    head = llm_fp32.engine.runner.model.lm_head
+@pytest.mark.parametrize("engine", ["llm_fp32", "llm_bf16"])
+def test_screened_head_gives_the_full_heads_tokens(engine, prompt_ids, request):
+    """Where the head's greedy tokens come from its logits in bytes and a few exact ones (layers/greedy_head.py, on
+    CPUs with AVX-512 VNNI), every prompt's 48 tokens equal the full head's, batched as the parity tests batch them,
+    in fp32 and in bf16."""
+    llm = request.getfixturevalue(engine)
+    head = llm.engine.runner.model.lm_head
     if head.screened is None:
-        pytest.skip("the head is screened where the packed linear multiplies fp32: AVX-512 BF16 CPUs")
+        pytest.skip("the head is screened on CPUs with AVX-512 VNNI whose packed linear takes it")
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
     with torch.profiler.profile() as profile:
-        screened = [out.outputs[0].token_ids for out in llm_fp32.generate(prompts, params)]
-    assert "liteinfer::head_candidates" in {event.key for event in profile.key_averages()}
+        screened = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    assert "liteinfer::head_screen" in {event.key for event in profile.key_averages()}
     head.screened, saved = None, head.screened
     try:
-        full = [out.outputs[0].token_ids for out in llm_fp32.generate(prompts, params)]
+        full = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
     finally:
         head.screened = saved
     assert screened == full
