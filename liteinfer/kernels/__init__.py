@@ -48,6 +48,10 @@ AVX-512 BF16 (fp32 and bf16) or with AVX2 and FMA (bf16 only): `packed_linear_av
 tiles take subnormal bf16 inputs as zero). A row's result does not depend on the rows beside it. x must have at
 least one input.
 
+`packed_rows(weight [out / 16, in / pair, 16, pair], rows [n] int64)` -> [ceil(n / 16), in / pair, 16, pair]: W's
+given output rows, packed as `pack_weight` packs them alone (zero rows after them to a multiple of 16). Built where
+`packed_linear` is.
+
 `packed_gated_linear(x [rows, in], weight [2, size / 16, in / pair, 16, pair], bias [2 * size] or None, act)` ->
 [rows, size] = act(x G^T + b_g) * (x U^T + b_u), a gated MLP's gate/up matmul and its activation in one pass, for
 W = [G; U] packed by `layers/linear.py: pack_gate_up` (each half as `pack_weight` packs it); act "silu" or

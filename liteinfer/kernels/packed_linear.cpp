@@ -410,10 +410,39 @@ at::Tensor packed_gated_linear(const at::Tensor& x, const at::Tensor& weight, co
   return multiply(x, weight, bias, weight.size(1) * 32, act == "silu" ? Act::kSilu : Act::kGeluTanh);
 }
 
+// W's given output rows, packed as pack_weight packs them alone (zero rows after them up to a multiple of 16): each
+// (row, step) four bytes (a bf16 pair or an fp32), copied from where its group keeps it. The greedy head
+// (layers/greedy_head.py) multiplies its candidates' rows this way, each getting its bits in the full product.
+at::Tensor packed_rows(const at::Tensor& weight, const at::Tensor& rows) {
+  TORCH_CHECK(weight.dim() == 4 && weight.size(2) == 16 && weight.element_size() * weight.size(3) == 4 &&
+                  weight.is_contiguous(), "expected weight [out / 16, in / pair, 16, pair] (bf16 pairs or fp32)");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(), "expected rows [n] int64");
+  const int64_t steps = weight.size(1), out = weight.size(0) * 16, n = rows.numel(), padded = (n + 15) / 16 * 16;
+  at::Tensor result = at::zeros({padded / 16, steps, 16, weight.size(3)}, weight.options());
+  const uint32_t* from = static_cast<const uint32_t*>(weight.data_ptr());
+  uint32_t* to = static_cast<uint32_t*>(result.data_ptr());
+  const int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(0 <= row[i] && row[i] < out, "row ", row[i], " out of range");
+  // A row's runs lie a group's width apart, each in a cache line of its own: the copy waits on memory, not on
+  // arithmetic, so both threads take rows.
+  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      // A group's runs: step by step, each step its rows side by side (groups of 48; the last one 16 or 32).
+      const int64_t group = row[i] - row[i] % 48, group_size = std::min<int64_t>(48, out - group);
+      const int64_t new_group = i - i % 48, new_size = std::min<int64_t>(48, padded - new_group);
+      const uint32_t* source = from + group * steps + row[i] - group;
+      uint32_t* target = to + new_group * steps + i - new_group;
+      for (int64_t step = 0; step < steps; ++step) target[step * new_size] = source[step * group_size];
+    }
+  });
+  return result;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(liteinfer, m) {
   m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("packed_rows(Tensor weight, Tensor rows) -> Tensor");
   m.def("packed_gated_linear(Tensor x, Tensor weight, Tensor? bias, str act) -> Tensor");
   m.def("packed_linear_takes(ScalarType dtype) -> bool", &packed_linear_takes);  // no tensor: no dispatch key
   m.def("packed_linear_amx() -> bool", &packed_linear_amx);
@@ -422,5 +451,6 @@ TORCH_LIBRARY_FRAGMENT(liteinfer, m) {
 TORCH_LIBRARY_IMPL(liteinfer, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("packed_gated_linear", &packed_gated_linear);
+  m.impl("packed_rows", &packed_rows);
 }
 #endif

@@ -140,10 +140,8 @@ def packed_entries(weight: torch.Tensor, rows: torch.Tensor, inputs: torch.Tenso
 
 def packed_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """The given output rows of a W packed by `pack_weight`, packed on their own (padded with zero rows to a multiple
-    of 16)."""
-    picked = packed_entries(weight, rows, torch.arange(weight.shape[1] * weight.shape[3]))
-    padding = -len(rows) % 16
-    return pack_weight(torch.cat([picked, picked.new_zeros(padding, picked.shape[1])]) if padding else picked)
+    of 16): `kernels`' packed_rows, a copy of each row's runs."""
+    return torch.ops.liteinfer.packed_rows(weight, rows)
 
 
 def onednn_packs(dtype: torch.dtype) -> bool:
