@@ -87,7 +87,8 @@ inputs side by side) and outlier_weights[j, d] W's own value for that dim. A tok
 when approx[r, j] + E(r, j) reaches max_k approx[r, k] - E(r, k), E = (1 + relative) e + relative |approx|, where
 e(r, j) = alpha_r vocab_terms[0, j] + beta_r vocab_terms[1, j] + 1e-6 and alpha_r, beta_r the row's terms of
 greedy_head.py's bound (from x's norms, computed in fp64); candidates is the union over the rows, empty when some value
-of hidden or approx is not finite. Built on CPUs with AVX-512 VNNI (`head_screen_available()`); at most 65,536 inputs.
+of hidden or approx is not finite. Built on CPUs with AVX-512 VNNI and BF16 (`head_screen_available()`); at most
+65,536 inputs.
 The pointwise ops (fp32, bf16, fp16; `pointwise_takes(x)` says when the layers call them) compute in fp32 and round
 to x's dtype wherever the PyTorch expressions in layers/norm.py, rotary.py and activation.py round:
 `rms_norm(x [rows, size], weight [size], eps, gemma)` -> norm(x); `add_rms_norm(x, residual, weight, eps, gemma)`
@@ -165,7 +166,7 @@ def pointwise_takes(x: torch.Tensor, in_graphs: bool = False) -> bool:
 
 
 def head_screen_available() -> bool:
-    """Whether the greedy head's screen is built here: CPUs with AVX-512 VNNI."""
+    """Whether the greedy head's screen is built here: CPUs with AVX-512 VNNI and BF16."""
     return available() and hasattr(torch.ops.liteinfer, "head_screen")
 
 

@@ -1,6 +1,6 @@
 // The greedy head's screen (layers/greedy_head.py): a step's logits in bytes, each known to within a bound, and the
-// tokens that can still be a row's greedy token. Registered (CPU, AVX-512 VNNI) as torch.ops.liteinfer.head_screen;
-// liteinfer/kernels/__init__.py builds it and gives its contract.
+// tokens that can still be a row's greedy token. Registered (CPU, AVX-512 VNNI and BF16) as
+// torch.ops.liteinfer.head_screen; liteinfer/kernels/__init__.py builds it and gives its contract.
 //
 // x's rows are rounded to uint8 levels (one scale a row) but for a few input dims where hidden states carry values
 // far above the rest (they would set the scale), which are multiplied in bf16 pairs (exact for a bf16 model); W is

@@ -34,8 +34,8 @@ out rounds strictly below a candidate. On SmolLM2 a 32-row step keeps 42 candida
 fp32 (docs/benchmarks.md).
 
 Where: heads whose W our packed linear multiplies (fp32 and bf16 on CPUs with AVX-512 BF16; the screen needs VNNI),
-but for bf16 heads on CPUs with AMX, whose tiles multiply bf16 faster (not measured there), held whole by one rank
-(`screen_greedy`), for steps whose every row takes the plain argmax (engine/model_runner.py).
+held whole by one rank (`screen_greedy`), for steps whose every row takes the plain argmax (engine/model_runner.py);
+not bf16 heads on CPUs with AMX, whose tiles multiply bf16 faster than vpdpbusd multiplies bytes (not measured there).
 It costs W's levels (a quarter of an fp32 head's memory, half a bf16 one's) and its outlier columns in bf16. A step
 whose hidden states or screened logits are not all finite falls back to the full head, as does one that leaves more
 than half the vocabulary as candidates.
