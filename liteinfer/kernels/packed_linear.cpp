@@ -427,9 +427,9 @@ at::Tensor packed_rows(const at::Tensor& weight, const at::Tensor& rows) {
   // arithmetic, so both threads take rows.
   at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      // A group's runs: step by step, each step its rows side by side (groups of 48; the last one 16 or 32).
-      const int64_t group = row[i] - row[i] % 48, group_size = std::min<int64_t>(48, out - group);
-      const int64_t new_group = i - i % 48, new_size = std::min<int64_t>(48, padded - new_group);
+      // A group's runs: step by step, each step its rows side by side (the last group one or two blocks).
+      const int64_t group = row[i] - row[i] % GROUP_OUTPUTS, group_size = std::min(GROUP_OUTPUTS, out - group);
+      const int64_t new_group = i - i % GROUP_OUTPUTS, new_size = std::min(GROUP_OUTPUTS, padded - new_group);
       const uint32_t* source = from + group * steps + row[i] - group;
       uint32_t* target = to + new_group * steps + i - new_group;
       for (int64_t step = 0; step < steps; ++step) target[step * new_size] = source[step * group_size];
