@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -30,17 +31,20 @@ constexpr double kRounding = 0x1p-23;  // twice fp32's unit roundoff: a bound fo
 constexpr double kMargin = 1 + 0x1p-10;
 constexpr double kAbsolute = 1e-6;
 
+// The mask of a vector's first min(n, 16) lanes.
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+
 // acc += the products of x's unsigned bytes and w's signed ones, four a lane. In asm, so that the sum stays in its
 // register: with the intrinsic GCC copied every accumulator to another register (or the stack) around each one.
 inline void dpbusd(__m512i& acc, __m512i x, __m512i w) { __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w)); }
 
 // One block of 64 tokens for R rows: the byte products summed in int32, less each token's offset (128 times its
 // levels' sum: x's levels are unsigned, x + 128), scaled by the row's and the token's scale, plus the outlier dims'
-// pairs' products.
+// pairs' products; and each row's largest of them into `high`.
 template <int R>
 void screen_tile(const uint8_t* x, int64_t in, const int8_t* w, const float* row_scale, const uint16_t* outliers,
                  int64_t pairs, const uint16_t* w_outliers, const float* w_scale, const int32_t* w_offset, float* out,
-                 int64_t out_stride) {
+                 int64_t out_stride, float* high, int64_t high_stride) {
   static_assert(1 <= R && R <= 6);
   // Four vectors of 16 tokens a row (rows past R unused).
   __m512i a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33, a40, a41, a42, a43, a50,
@@ -97,6 +101,8 @@ void screen_tile(const uint8_t* x, int64_t in, const int8_t* w, const float* row
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + r * out_stride + 16 * c, sum[r][c]);
+    high[r * high_stride] =
+        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(sum[r][0], sum[r][1]), _mm512_max_ps(sum[r][2], sum[r][3])));
   }
 }
 
@@ -107,6 +113,7 @@ constexpr TileFn kTiles[kMaxRows] = {screen_tile<1>, screen_tile<2>, screen_tile
 // What a row's bound needs besides W's norms: e(j) = alpha |w_j| + beta |w_j - w'_j| + absolute (see greedy_head.py).
 struct RowBound {
   float alpha, beta, absolute;
+  double reach;  // the l1 norm of what the screen multiplies: x's levels times its scale, and its outlier dims
 };
 
 // Rounds row x (in inputs) to levels, outlier dims aside (their values rounded to bf16 and copied out, their levels
@@ -142,11 +149,15 @@ RowBound quantize_row(const scalar_t* x, int64_t in, const int64_t* dims, int64_
   scale = largest > 0 ? largest / 127 : 1.0f;
   const float inverse = 1.0f / scale;
   double error = 0, norm_rounded = 0;
+  double reach = 0;
+  for (int64_t d = 0; d < num_dims; ++d)
+    reach += std::fabs(static_cast<double>(c10::BFloat16(outliers[d], c10::BFloat16::from_bits())));
   for (int64_t k = 0; k < in; ++k) {
     const float level = std::clamp(std::nearbyint(rest[k] * inverse), -127.0f, 127.0f);
     levels[k] = static_cast<uint8_t>(static_cast<int>(level) + 128);
     const double value = rest[k], rounded = static_cast<double>(scale) * level;
     norm += value * value, error += (value - rounded) * (value - rounded), norm_rounded += rounded * rounded;
+    reach += std::fabs(rounded);
   }
   // The full head's fp32 sum over `in` products, and the screen's: its byte sum converted, scaled twice, then two
   // roundings per pair of outlier dims.
@@ -157,66 +168,71 @@ RowBound quantize_row(const scalar_t* x, int64_t in, const int64_t* dims, int64_
   const double alpha = error + outlier_error + weight_rounding * norm_outliers + head * norm +
                        screen * (norm_rounded + (1 + weight_rounding) * norm_outliers);
   return {static_cast<float>(alpha * kMargin), static_cast<float>(norm_rounded * (1 + screen) * kMargin),
-          static_cast<float>(kAbsolute)};
+          static_cast<float>(kAbsolute), reach};
 }
 
 // The tokens of one row whose upper end a + E reaches the row's largest lower end a - E, E = (1 + relative) e +
-// relative |a|; sixteen tokens at a time. The first pass also keeps the largest upper end of each run of kRun tokens,
-// so that the second revisits only the runs that hold candidates (one or two of a row's few hundred, on a real
-// model's logits). False when some approximate logit is not finite.
-constexpr int64_t kRun = 128;
-
-bool row_candidates(const float* a, const float* norm, const float* distance, int64_t n, RowBound b, float relative,
-                    std::vector<int32_t>& out) {
+// relative |a|, found from the row's largest a in each block (`high`, which the tiles keep): a block's E computed as a
+// token's own E is but from the block's largest |w_j| and |w_j - w'_j| is no smaller than the E of the token that
+// holds its largest a, so the blocks' lower ends give a lower bound L of the row's largest, and a block whose upper
+// end stays below L holds neither a candidate nor that largest. Only the others are read token by token (a few of a
+// row's 768 on a real model's logits): first for the row's largest lower end among their tokens, then for the tokens
+// that reach it.
+void row_candidates(const float* a, const float* high, const float* maxima, int64_t blocks, int64_t n,
+                    const float* norm, const float* distance, RowBound b, float relative, std::vector<int32_t>& out) {
   const float widen = 1 + relative;
   const __m512 alpha = _mm512_set1_ps(b.alpha * widen), beta = _mm512_set1_ps(b.beta * widen);
   const __m512 absolute = _mm512_set1_ps(b.absolute * widen), relative_v = _mm512_set1_ps(relative);
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512i exponent = _mm512_set1_epi32(0x7F800000);
-  __mmask16 not_finite = 0;
-  auto load = [&](int64_t j, __mmask16 mask, __m512& v, __m512& e) {
-    v = _mm512_maskz_loadu_ps(mask, a + j);
-    not_finite |= _mm512_mask_cmpeq_epi32_mask(mask, _mm512_and_si512(_mm512_castps_si512(v), exponent), exponent);
-    e = _mm512_fmadd_ps(alpha, _mm512_maskz_loadu_ps(mask, norm + j),
-                        _mm512_fmadd_ps(beta, _mm512_maskz_loadu_ps(mask, distance + j),
-                                        _mm512_fmadd_ps(relative_v, _mm512_abs_ps(v), absolute)));
+  auto half_width = [&](__m512 n_j, __m512 d_j, __m512 a_j) {  // E, in the same order for a token and for a block
+    return _mm512_fmadd_ps(alpha, n_j, _mm512_fmadd_ps(beta, d_j, _mm512_fmadd_ps(relative_v, _mm512_abs_ps(a_j),
+                                                                                  absolute)));
   };
-  auto tail = [&](int64_t j) { return static_cast<__mmask16>(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1); };
-  std::vector<float> run_upper((n + kRun - 1) / kRun);
-  __m512 lower = minus_inf;
-  for (int64_t run = 0; run * kRun < n; ++run) {
-    __m512 upper = minus_inf;
-    for (int64_t j = run * kRun; j < std::min(n, (run + 1) * kRun); j += 16) {
-      const __mmask16 mask = tail(j);
-      __m512 v, e;
-      load(j, mask, v, e);
-      lower = _mm512_mask_max_ps(lower, mask, lower, _mm512_sub_ps(v, e));
-      upper = _mm512_mask_max_ps(upper, mask, upper, _mm512_add_ps(v, e));
-    }
-    run_upper[run] = _mm512_reduce_max_ps(upper);
+  std::vector<float> upper(blocks);
+  __m512 bound = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t block = 0; block < blocks; block += 16) {
+    const __mmask16 mask = first_lanes(blocks - block);
+    const __m512 h = _mm512_maskz_loadu_ps(mask, high + block);
+    const __m512 e = half_width(_mm512_maskz_loadu_ps(mask, maxima + block),
+                                _mm512_maskz_loadu_ps(mask, maxima + blocks + block), h);
+    // A token below the block's largest a may have a larger |a| (a negative one), so a larger E by relative times the
+    // difference, which its own a makes up (a + relative |a| grows with a); the block's upper end is widened by a
+    // little more than the roundings of that comparison could take.
+    const __m512 upper_end = _mm512_add_ps(h, e);
+    _mm512_mask_storeu_ps(upper.data() + block, mask,
+                          _mm512_add_ps(upper_end, _mm512_fmadd_ps(_mm512_abs_ps(upper_end), _mm512_set1_ps(0x1p-20f),
+                                                                   absolute)));
+    bound = _mm512_mask_max_ps(bound, mask, bound, _mm512_sub_ps(h, e));
   }
-  const float largest_lower = _mm512_reduce_max_ps(lower);
-  for (int64_t run = 0; run * kRun < n; ++run) {
-    if (run_upper[run] < largest_lower) continue;
-    for (int64_t j = run * kRun; j < std::min(n, (run + 1) * kRun); j += 16) {
-      const __mmask16 mask = tail(j);
-      __m512 v, e;
-      load(j, mask, v, e);
-      for (uint32_t hits = _mm512_mask_cmp_ps_mask(mask, _mm512_add_ps(v, e), _mm512_set1_ps(largest_lower),
-                                                   _CMP_GE_OQ);
-           hits; hits &= hits - 1) {
-        out.push_back(static_cast<int32_t>(j + __builtin_ctz(hits)));
+  const float lower_bound = _mm512_reduce_max_ps(bound);
+  std::vector<int64_t> kept;
+  for (int64_t block = 0; block < blocks; ++block)
+    if (upper[block] >= lower_bound) kept.push_back(block);
+  // Each kept block's tokens, 16 at a time: fn(first token, mask, a, E).
+  auto for_tokens = [&](const auto& fn) {
+    for (const int64_t block : kept)
+      for (int64_t j = block * kBlock; j < std::min(n, (block + 1) * kBlock); j += 16) {
+        const __mmask16 mask = first_lanes(n - j);
+        const __m512 v = _mm512_maskz_loadu_ps(mask, a + j);
+        fn(j, mask, v, half_width(_mm512_maskz_loadu_ps(mask, norm + j), _mm512_maskz_loadu_ps(mask, distance + j), v));
       }
-    }
-  }
-  return not_finite == 0;
+  };
+  __m512 lower = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for_tokens([&](int64_t, __mmask16 mask, __m512 v, __m512 e) {
+    lower = _mm512_mask_max_ps(lower, mask, lower, _mm512_sub_ps(v, e));
+  });
+  const __m512 largest_lower = _mm512_set1_ps(_mm512_reduce_max_ps(lower));
+  for_tokens([&](int64_t j, __mmask16 mask, __m512 v, __m512 e) {
+    for (uint32_t hits = _mm512_mask_cmp_ps_mask(mask, _mm512_add_ps(v, e), largest_lower, _CMP_GE_OQ); hits;
+         hits &= hits - 1)
+      out.push_back(static_cast<int32_t>(j + __builtin_ctz(hits)));
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> head_screen(const at::Tensor& hidden, const at::Tensor& outlier_dims,
                                                const at::Tensor& levels, const at::Tensor& level_scales,
                                                const at::Tensor& level_offsets, const at::Tensor& outlier_weights,
-                                               const at::Tensor& vocab_terms, double relative,
-                                               double weight_rounding) {
+                                               const at::Tensor& vocab_terms, const at::Tensor& block_terms,
+                                               double relative, double weight_rounding) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() &&
                   (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
               "expected hidden [rows, in], fp32 or bf16, contiguous");
@@ -241,7 +257,10 @@ std::tuple<at::Tensor, at::Tensor> head_screen(const at::Tensor& hidden, const a
   TORCH_CHECK(vocab_terms.dim() == 2 && vocab_terms.size(0) == 2 && vocab_terms.size(1) <= n &&
                   vocab_terms.size(1) > 0 && vocab_terms.scalar_type() == at::kFloat && vocab_terms.is_contiguous(),
               "expected vocab_terms [2, vocab] fp32 with vocab <= tokens, contiguous");
-  const int64_t vocab = vocab_terms.size(1);
+  const int64_t vocab = vocab_terms.size(1), vocab_blocks = (vocab + kBlock - 1) / kBlock;
+  TORCH_CHECK(block_terms.sizes() == at::IntArrayRef({3, vocab_blocks}) &&
+                  block_terms.scalar_type() == at::kFloat && block_terms.is_contiguous(),
+              "expected block_terms [3, vocab / 64 rounded up] fp32, contiguous");
 
   std::vector<uint8_t> x_levels(rows * in);
   std::vector<uint16_t> x_outliers(rows * dims);
@@ -260,6 +279,13 @@ std::tuple<at::Tensor, at::Tensor> head_screen(const at::Tensor& hidden, const a
   }
   at::Tensor approx = at::empty({rows, n}, hidden.options().dtype(at::kFloat));
   const auto none = at::empty({0}, hidden.options().dtype(at::kLong));
+  // Every logit the screen computes, and each partial sum of it, is at most a row's reach times W's largest |level
+  // times scale| (its outlier columns' values no larger, but for an fp32 head's rounding to bf16): rows that reach
+  // 2^126 are declined rather than checked value by value, so that the screen's logits are finite without a test.
+  const float* maxima = block_terms.data_ptr<float>();
+  const double largest_w =
+      127.0 * (1 + 0x1p-7) * *std::max_element(maxima + 2 * vocab_blocks, maxima + 3 * vocab_blocks);
+  for (int64_t r = 0; r < rows; ++r) finite = finite && bounds[r].reach * largest_w < 0x1p126;
   if (!finite) return {none, approx};
 
   const int8_t* w = levels.data_ptr<int8_t>();
@@ -267,6 +293,8 @@ std::tuple<at::Tensor, at::Tensor> head_screen(const at::Tensor& hidden, const a
   const float* w_scale = level_scales.data_ptr<float>();
   const int32_t* w_offset = level_offsets.data_ptr<int32_t>();
   float* a = approx.data_ptr<float>();
+  // Each row's largest logit in each block, which the tiles keep as they store the block's logits.
+  std::unique_ptr<float[]> high(new float[rows * blocks]);
   // Each thread streams its own range of W's blocks once, every row tile reading a block while it is in cache.
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
@@ -274,25 +302,27 @@ std::tuple<at::Tensor, at::Tensor> head_screen(const at::Tensor& hidden, const a
         const int tile_rows = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r));
         kTiles[tile_rows - 1](&x_levels[r * in], in, w + block * kBlock * in, &x_scales[r], &x_outliers[r * dims],
                               dims / 2, w_outliers + block * dims * kBlock, w_scale + block * kBlock,
-                              w_offset + block * kBlock, a + r * n + block * kBlock, n);
+                              w_offset + block * kBlock, a + r * n + block * kBlock, n, &high[r * blocks + block],
+                              blocks);
       }
     }
   });
-
+  if (vocab % kBlock)  // the last block's tokens past the vocabulary (zeros) left out of its largest
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = a + r * n + (vocab_blocks - 1) * kBlock;
+      high[r * blocks + vocab_blocks - 1] = *std::max_element(row, row + vocab % kBlock);
+    }
   const float* norm = vocab_terms.data_ptr<float>();
   const float* distance = norm + vocab;
   std::vector<std::vector<int32_t>> found(rows);
-  std::vector<char> row_finite(rows, 1);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      row_finite[r] = row_candidates(a + r * n, norm, distance, vocab, bounds[r], static_cast<float>(relative),
-                                     found[r]);
+      row_candidates(a + r * n, &high[r * blocks], maxima, vocab_blocks, vocab, norm, distance,
+                     bounds[r], static_cast<float>(relative), found[r]);
   });
   std::vector<char> chosen(vocab, 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    if (!row_finite[r]) return {none, approx};
+  for (int64_t r = 0; r < rows; ++r)
     for (const int32_t j : found[r]) chosen[j] = 1;
-  }
   std::vector<int64_t> ids;
   for (int64_t j = 0; j < vocab; ++j) {
     if (chosen[j]) ids.push_back(j);
@@ -306,7 +336,8 @@ std::tuple<at::Tensor, at::Tensor> head_screen(const at::Tensor& hidden, const a
 
 TORCH_LIBRARY_FRAGMENT(liteinfer, m) {
   m.def("head_screen(Tensor hidden, Tensor outlier_dims, Tensor levels, Tensor level_scales, Tensor level_offsets, "
-        "Tensor outlier_weights, Tensor vocab_terms, float relative, float weight_rounding) -> (Tensor, Tensor)");
+        "Tensor outlier_weights, Tensor vocab_terms, Tensor block_terms, float relative, float weight_rounding) -> "
+        "(Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(liteinfer, CPU, m) { m.impl("head_screen", &head_screen); }

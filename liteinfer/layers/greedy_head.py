@@ -37,8 +37,8 @@ Where: heads whose W our packed linear multiplies (fp32 and bf16 on CPUs with AV
 held whole by one rank (`screen_greedy`), for steps whose every row takes the plain argmax (engine/model_runner.py);
 not bf16 heads on CPUs with AMX, whose tiles multiply bf16 faster than vpdpbusd multiplies bytes (not measured there).
 It costs W's levels (a quarter of an fp32 head's memory, half a bf16 one's) and its outlier columns in bf16. A step
-whose hidden states or screened logits are not all finite falls back to the full head, as does one that leaves more
-than half the vocabulary as candidates.
+whose hidden states are not all finite, or so large that a screened logit could overflow (~1e38), falls back to the
+full head, as does one that leaves more than half the vocabulary as candidates.
 """
 
 from __future__ import annotations
@@ -88,6 +88,10 @@ class ScreenedArgmax(nn.Module):
         self.level_offsets = (level.int().sum(dim=1) * 128).int()
         # [2, vocab]: each row's |w_j| and |w_j - w'_j|, widened so that fp32 holds no less than the fp64 value.
         self.vocab_terms = (torch.cat(norms, dim=1) * _MARGIN).float().contiguous()
+        # [3, blocks]: the largest of each block's |w_j|, |w_j - w'_j| and scale, over its tokens in the vocabulary.
+        blocks = torch.cat([self.vocab_terms, self.level_scales[None, :vocab_size]])
+        blocks = torch.cat([blocks, blocks[:, -1:].expand(3, -vocab_size % _BLOCK)], dim=1)  # the last one's again
+        self.block_terms = blocks.view(3, -1, _BLOCK).amax(dim=2).contiguous()
         self.dim_sums = torch.zeros(plain.shape[1], dtype=torch.float64)
         self.outlier_dims = torch.empty(0, dtype=torch.long)
         self.outlier_weights = torch.empty(level.shape[0] // _BLOCK, 0, _BLOCK, 2, dtype=torch.bfloat16)
@@ -108,9 +112,9 @@ class ScreenedArgmax(nn.Module):
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """hidden [rows, in] -> each row's first largest logit's token [rows] (int64), as argmax(linear(hidden,
-        weight)) gives it; None when some hidden state or screened logit is not finite, which the bound cannot take,
-        or when more than half the vocabulary stays a candidate (logits so alike that only a degenerate model gives
-        them)."""
+        weight)) gives it; None when some hidden state is not finite or large enough for a screened logit to overflow,
+        which the bound cannot take, or when more than half the vocabulary stays a candidate (logits so alike that only
+        a degenerate model gives them)."""
         candidates = self.candidates(hidden, weight)
         # None found (a value not finite), or so many that copying their rows would cost more than the full head.
         if not 0 < len(candidates) <= self.vocab_size // 2:
@@ -127,7 +131,7 @@ class ScreenedArgmax(nn.Module):
             self._choose_outlier_dims(hidden, weight)
         candidates, _ = torch.ops.liteinfer.head_screen(
             hidden, self.outlier_dims, self.levels, self.level_scales, self.level_offsets, self.outlier_weights,
-            self.vocab_terms, self.relative, self.weight_rounding)
+            self.vocab_terms, self.block_terms, self.relative, self.weight_rounding)
         return candidates
 
     def _choose_outlier_dims(self, hidden: torch.Tensor, weight: torch.Tensor) -> None:

@@ -90,45 +90,75 @@ def test_screened_argmax_is_the_full_heads_argmax(rows, vocab, scale, ties, dtyp
         assert torch.equal(tokens, full_argmax(hidden, packed, vocab))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_screen_logits_lie_within_the_stated_bound(dtype):
-    """The screen's logits are the arithmetic of the kernel's contract (levels times scales, plus the outlier dims in
-    bf16), and lie within e(r, j) of x.w_j (fp64) as layers/greedy_head.py derives e, recomputed here from x and W."""
-    vocab, inputs = 1000, 128
-    weight, hidden = random_head(torch.Generator().manual_seed(1), vocab, 8, "none", dtype)
+def screened_logits(vocab: int, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A random head's screen: (hidden, W, the ScreenedArgmax, the kernel's candidates and logits [rows, vocab])."""
+    weight, hidden = random_head(torch.Generator().manual_seed(1), vocab, rows, "none", dtype)
     packed = pack_weight(weight)
     screened = ScreenedArgmax(packed, vocab)
     screened.candidates(hidden, packed)  # the first call chooses the outlier dims
-    _, approx = torch.ops.liteinfer.head_screen(
+    candidates, approx = torch.ops.liteinfer.head_screen(
         hidden, screened.outlier_dims, screened.levels, screened.level_scales, screened.level_offsets,
-        screened.outlier_weights, screened.vocab_terms, screened.relative, screened.weight_rounding)
-    approx = approx[:, :vocab].double()
+        screened.outlier_weights, screened.vocab_terms, screened.block_terms, screened.relative,
+        screened.weight_rounding)
+    return hidden, weight[:vocab], screened, candidates, approx[:, :vocab].double()
 
-    x, w = hidden.double(), weight[:vocab].double()
-    dims = screened.outlier_dims
-    assert torch.equal(dims, x.abs().sum(0).topk(OUTLIER_DIMS).indices.sort().values)
+
+def bound_terms(hidden: torch.Tensor, screened: ScreenedArgmax) -> tuple[torch.Tensor, ...]:
+    """Each row's alpha and beta as layers/greedy_head.py derives them (fp64, no margin), and x's rounded levels."""
+    x, dims = hidden.double(), screened.outlier_dims
     x_rest = x.clone()
     x_rest[:, dims] = 0
     x_rounded = (x_rest.abs().amax(1, keepdim=True) / 127).float().double()
     x_rounded = x_rounded * (x_rest / x_rounded).round().clamp(-127, 127)
-    w_scale = (w.abs().amax(1, keepdim=True) / 127).float().double()
-    w_rounded = w_scale * (w / w_scale).round().clamp(-127, 127)
-    outliers, outlier_weights = x[:, dims].bfloat16().double(), w[:, dims].bfloat16().double()
-    torch.testing.assert_close(approx, x_rounded @ w_rounded.T + outliers @ outlier_weights.T, rtol=1e-5, atol=1e-4)
+    outliers = x[:, dims].bfloat16().double()
 
     def gamma(n: int) -> float:
         return n * 2**-23 / (1 - n * 2**-23)
 
     norm_rounded, norm_outliers = x_rounded.norm(dim=1), outliers.norm(dim=1)
-    weight_rounding = 0 if dtype == torch.bfloat16 else 2**-8
+    weight_rounding = 0 if hidden.dtype == torch.bfloat16 else 2**-8
     alpha = ((x_rest - x_rounded).norm(dim=1) + (x[:, dims] - outliers).norm(dim=1) + weight_rounding * norm_outliers
-             + gamma(inputs) * x.norm(dim=1)
+             + gamma(x.shape[1]) * x.norm(dim=1)
              + gamma(OUTLIER_DIMS + 4) * (norm_rounded + (1 + weight_rounding) * norm_outliers))
     beta = norm_rounded * (1 + gamma(OUTLIER_DIMS + 4))
+    return alpha, beta, x_rounded, outliers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_screen_logits_lie_within_the_stated_bound(dtype):
+    """The screen's logits are the arithmetic of the kernel's contract (levels times scales, plus the outlier dims in
+    bf16), and lie within e(r, j) of x.w_j (fp64) as layers/greedy_head.py derives e, recomputed here from x and W."""
+    hidden, weight, screened, _, approx = screened_logits(1000, 8, dtype)
+    x, w, dims = hidden.double(), weight.double(), screened.outlier_dims
+    assert torch.equal(dims, x.abs().sum(0).topk(OUTLIER_DIMS).indices.sort().values)
+    alpha, beta, x_rounded, outliers = bound_terms(hidden, screened)
+    w_scale = (w.abs().amax(1, keepdim=True) / 127).float().double()
+    w_rounded = w_scale * (w / w_scale).round().clamp(-127, 127)
+    outlier_weights = w[:, dims].bfloat16().double()
+    torch.testing.assert_close(approx, x_rounded @ w_rounded.T + outliers @ outlier_weights.T, rtol=1e-5, atol=1e-4)
     bound = alpha[:, None] * w.norm(dim=1) + beta[:, None] * (w - w_rounded).norm(dim=1) + 1e-6
     error = (approx - x @ w.T).abs()
     assert (error <= bound).all()
     assert (error > bound / 20).any()  # not so loose a bound that a term left out could hide in it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1000, 1024])  # a last block of 40 tokens, and whole blocks
+def test_candidates_follow_the_contract(dtype, vocab):
+    """The kernel's candidates, recomputed from its own logits (kernels' contract): the tokens whose upper end a + E
+    reaches the row's largest lower end a - E, within a margin (1e-4) for the kernel's fp32 roundings of the ends,
+    although the kernel reads only the blocks of 64 tokens whose largest logit can reach it."""
+    hidden, _, screened, candidates, a = screened_logits(vocab, 12, dtype)
+    alpha, beta, _, _ = bound_terms(hidden, screened)
+    norms, distances = screened.vocab_terms.double()
+    e = (alpha[:, None] * norms + beta[:, None] * distances) * (1 + 2**-10) + 1e-6  # the kernel's margin on alpha, beta
+    half_width = (1 + screened.relative) * e + screened.relative * a.abs()
+    largest_lower = (a - half_width).amax(1, keepdim=True)
+    chosen = torch.zeros(vocab, dtype=torch.bool)
+    chosen[candidates] = True
+    assert (chosen >= (a + half_width >= largest_lower + 1e-4).any(0)).all()
+    assert (chosen <= (a + half_width >= largest_lower - 1e-4).any(0)).all()
+    assert 0 < chosen.sum() < vocab // 4  # a screen that keeps few
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
