@@ -40,7 +40,9 @@ inline void dpbusd(__m512i& acc, __m512i x, __m512i w) { __asm__("vpdpbusd %2, %
 
 // One block of 64 tokens for R rows: the byte products summed in int32, less each token's offset (128 times its
 // levels' sum: x's levels are unsigned, x + 128), scaled by the row's and the token's scale, plus the outlier dims'
-// pairs' products; and each row's largest of them into `high`.
+// pairs' products; and each row's largest of them into `high`. The logits go out by streaming stores (`out` on a
+// line's start): a plain store reads each line from memory first (6 MB a 32-row call, beside W's levels' stream),
+// and only the few blocks that can hold a candidate are read back (a 32-row call ~8% faster).
 template <int R>
 void screen_tile(const uint8_t* x, int64_t in, const int8_t* w, const float* row_scale, const uint16_t* outliers,
                  int64_t pairs, const uint16_t* w_outliers, const float* w_scale, const int32_t* w_offset, float* out,
@@ -100,7 +102,7 @@ void screen_tile(const uint8_t* x, int64_t in, const int8_t* w, const float* row
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + r * out_stride + 16 * c, sum[r][c]);
+    for (int c = 0; c < 4; ++c) _mm512_stream_ps(out + r * out_stride + 16 * c, sum[r][c]);
     high[r * high_stride] =
         _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(sum[r][0], sum[r][1]), _mm512_max_ps(sum[r][2], sum[r][3])));
   }
@@ -306,6 +308,7 @@ std::tuple<at::Tensor, at::Tensor> head_screen(const at::Tensor& hidden, const a
                               blocks);
       }
     }
+    _mm_sfence();  // the streamed logits written before another thread reads them
   });
   if (vocab % kBlock)  // the last block's tokens past the vocabulary (zeros) left out of its largest
     for (int64_t r = 0; r < rows; ++r) {
