@@ -23,6 +23,8 @@
 #include <memory>
 #include <vector>
 
+#include "lanes16.h"
+
 namespace {
 
 constexpr int64_t kBlock = 64;    // tokens a tile: four vectors of 16
@@ -31,8 +33,7 @@ constexpr double kRounding = 0x1p-23;  // twice fp32's unit roundoff: a bound fo
 constexpr double kMargin = 1 + 0x1p-10;
 constexpr double kAbsolute = 1e-6;
 
-// The mask of a vector's first min(n, 16) lanes.
-inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+using liteinfer::first_lanes;
 
 // acc += the products of x's unsigned bytes and w's signed ones, four a lane. In asm, so that the sum stays in its
 // register: with the intrinsic GCC copied every accumulator to another register (or the stack) around each one.

@@ -24,6 +24,7 @@
 #include "amx.h"
 #include "exp16.h"
 #include "int8_pools.h"
+#include "lanes16.h"
 
 namespace {
 
@@ -111,8 +112,7 @@ inline void for_head_passes(int64_t group, const Pass& pass) {
 #if defined(__AVX512F__)
 constexpr float kHidden = -1e30f;  // the score of a key a query may not see: e^(kHidden - max) is 0, with no infinities
 
-// The mask of a vector's first min(n, 16) lanes: the rows or scores left when fewer than 16 remain.
-inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+using liteinfer::first_lanes;
 
 // The first key a query at `position` sees: 0, or where its sliding window (when set) starts.
 inline int64_t first_visible_key(int64_t position, int64_t sliding_window) {

@@ -171,6 +171,20 @@ def test_screened_argmax_declines_what_is_not_finite(dtype, value):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_screened_argmax_takes_large_finite_rows(dtype):
+    """A row far above a model's (1e30, its logits finite) is screened, not declined: the decline is for rows whose
+    logits could overflow, not for large ones."""
+    plain = torch.randn(64, 32)
+    weight = pack_weight(plain.to(dtype))
+    hidden = torch.randn(2, 32)
+    hidden[1, 3] = 1e30
+    hidden = hidden.to(dtype)
+    screened = ScreenedArgmax(weight, 64)
+    assert len(screened.candidates(hidden, weight)) > 0
+    assert torch.equal(screened(hidden, weight), full_argmax(hidden, weight, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_screened_argmax_declines_a_head_whose_logits_all_tie(dtype):
     """Every row of W the same: every token a candidate, whose rows would cost more to copy than the full head."""
     weight = pack_weight(torch.randn(1, 32).expand(64, 32).contiguous().to(dtype))
