@@ -198,12 +198,10 @@ void row_candidates(const float* a, const float* high, const float* maxima, int6
     const __m512 e = half_width(_mm512_maskz_loadu_ps(mask, maxima + block),
                                 _mm512_maskz_loadu_ps(mask, maxima + blocks + block), h);
     // A token below the block's largest a may have a larger |a| (a negative one), so a larger E by relative times the
-    // difference, which its own a makes up (a + relative |a| grows with a); the block's upper end is widened by a
-    // little more than the roundings of that comparison could take.
-    const __m512 upper_end = _mm512_add_ps(h, e);
-    _mm512_mask_storeu_ps(upper.data() + block, mask,
-                          _mm512_add_ps(upper_end, _mm512_fmadd_ps(_mm512_abs_ps(upper_end), _mm512_set1_ps(0x1p-20f),
-                                                                   absolute)));
+    // difference, which its own a makes up (a + relative |a| grows with a) in exact arithmetic; the block's upper end
+    // is widened by more than the roundings of both ends could take (~10 units of fp32's roundoff of |a| + E).
+    const __m512 slack = _mm512_fmadd_ps(_mm512_add_ps(_mm512_abs_ps(h), e), _mm512_set1_ps(0x1p-20f), absolute);
+    _mm512_mask_storeu_ps(upper.data() + block, mask, _mm512_add_ps(_mm512_add_ps(h, e), slack));
     bound = _mm512_mask_max_ps(bound, mask, bound, _mm512_sub_ps(h, e));
   }
   const float lower_bound = _mm512_reduce_max_ps(bound);

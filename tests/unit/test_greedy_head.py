@@ -170,6 +170,22 @@ def test_screened_argmax_declines_what_is_not_finite(dtype, value):
     assert ScreenedArgmax(weight, 64)(hidden.to(dtype), weight) is None
 
 
+def test_screened_argmax_of_logits_far_below_zero():
+    """Every logit near -1000 in a bf16 head (one input dim shared by all of W's rows, against a large x): a token
+    below a block's largest logit has the larger |a| and so the larger half-width (a 2^-8 share of |a|), which the
+    block's upper end must still cover. (An fp32 head declines here: its outlier columns' rounding to bf16 against
+    x's 1000 widens every bound past the logits' spread.)"""
+    dtype = torch.bfloat16
+    generator = torch.Generator().manual_seed(3)
+    plain = torch.randn(300, 64, generator=generator)  # logits ~8 apart: more than the bound's ~4 at |a| ~1000
+    plain[:, 5] = -1
+    hidden = torch.randn(8, 64, generator=generator)
+    hidden[:, 5] = 1000
+    weight, hidden = pack_weight(torch.cat([plain, plain.new_zeros(4, 64)]).to(dtype)), hidden.to(dtype)
+    tokens = ScreenedArgmax(weight, 300)(hidden, weight)
+    assert tokens is not None and torch.equal(tokens, full_argmax(hidden, weight, 300))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_screened_argmax_takes_large_finite_rows(dtype):
     """A row far above a model's (1e30, its logits finite) is screened, not declined: the decline is for rows whose
