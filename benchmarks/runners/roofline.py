@@ -5,13 +5,16 @@ engine's throughput divided by this one's says how much of the step is left to e
 Each step computes one token of every sequence whose prompt is done and, with what is left of the token budget,
 prompt tokens of the others (chunked prefill, oldest first, as liteinfer's scheduler does); the KV cache is
 unbounded (no preemption). The weights are random, of the model's shapes and in the benchmark's precision,
-packed the way liteinfer holds them (`layers/linear.py: pack_linears`): a weight's values do not change its speed. The
-LM head runs only on the rows that sample. Output token ids are all 0: the harness checks only their count.
+packed the way liteinfer holds them (`layers/linear.py: pack_linears`) and on huge pages as the engine's are
+(`liteinfer/huge_pages.py`; on 4 KiB pages SmolLM2's 32-row linears streamed up to ~25% slower): a weight's values do
+not change its speed. The LM head runs only on the rows that sample. Output token ids are all 0: the harness checks
+only their count.
 
 With `kv_reads=auto` (K/V in the benchmark's precision) or `kv_reads=int8` (a byte an element and an fp32 scale a
 row, as `kv_cache_dtype="int8"` stores them), each step also reads the bytes that its attention must read from the
 KV cache: every layer's K and V rows of each sequence's context (its keys up to the step's last token; sliding
-windows are not taken off), once, as one plain fp32 sum over a buffer that holds them all (a streaming read: about
+windows are not taken off), once, as one plain fp32 sum over a buffer that holds them all (on huge pages, as the
+engine's pools are; a streaming read: about
 the machine's memory bandwidth once the bytes outgrow its caches, and served from its caches when they do not, as an
 engine's would be). That is the ceiling for an engine whose attention reads its cache once a step and does nothing
 else; the linears-only roofline is not changed by it.
@@ -26,6 +29,7 @@ import torch
 from benchmarks.metrics import RequestTrace
 from benchmarks.runners.base import TORCH_DTYPES, EngineRunner
 from benchmarks.workloads import BenchRequest
+from liteinfer import huge_pages
 from liteinfer.cache import KVCache
 from liteinfer.layers.linear import linear, pack_linears
 from liteinfer.models import get_model_class
@@ -67,6 +71,7 @@ class LinearsRooflineRunner(EngineRunner):
         model.lm_head = torch.nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
         model.requires_grad_(False)
         pack_linears(model, (torch.nn.Linear,))
+        huge_pages.move(model.parameters())
         self.linears, self.lm_head = list(model.linears), model.lm_head
         # One contiguous input per width, as each linear gets in the model.
         self.inputs = {n_in: torch.randn(self.budget, n_in, dtype=dtype) for n_in, _ in layer}
@@ -93,7 +98,7 @@ class LinearsRooflineRunner(EngineRunner):
             # Room for every request's whole cache at once, its pages touched before the clock starts.
             elements = self._kv_elements(sum(len(r.prompt_token_ids) + r.output_len for r in requests))
             if self.kv_buffer.numel() < elements:
-                self.kv_buffer = torch.ones(elements)
+                self.kv_buffer = huge_pages.zeros((elements,), torch.float32)
         submitted = time.perf_counter()
         traces = [RequestTrace(submitted, [], []) for _ in requests]
         prefilled = [0] * len(requests)  # prompt tokens computed so far, per request

@@ -77,6 +77,20 @@ def test_every_linear_of_the_model_and_the_lm_head(runner, tiny_llama_dir):
     assert runner.details["linears_per_step"] == 4 * config.num_hidden_layers + 1
 
 
+def test_weights_move_to_huge_pages_as_the_engines_do(tiny_llama_dir, monkeypatch):
+    """The roofline's packed weights go where the engine's go (huge_pages.move), so that it is no slower for lying on
+    4 KiB pages."""
+    from liteinfer import huge_pages
+
+    moved = []
+    monkeypatch.setattr(huge_pages, "move", lambda tensors: moved.extend(tensors) or 0)
+    spec = EngineSpec.parse("roofline:fp32")
+    runner = LinearsRooflineRunner(spec, str(tiny_llama_dir), threads=1, max_num_seqs=1, max_seq_len=8)
+    runner.start()
+    weights = {id(module.weight) for module in [*runner.linears, runner.lm_head]}
+    assert weights <= {id(tensor) for tensor in moved}
+
+
 def test_unknown_option_is_refused(tiny_llama_dir):
     spec = EngineSpec.parse("roofline:fp32:block_size=8")
     with pytest.raises(ValueError, match="roofline options"):
