@@ -14,10 +14,9 @@ With `kv_reads=auto` (K/V in the benchmark's precision) or `kv_reads=int8` (a by
 row, as `kv_cache_dtype="int8"` stores them), each step also reads the bytes that its attention must read from the
 KV cache: every layer's K and V rows of each sequence's context (its keys up to the step's last token; sliding
 windows are not taken off), once, as one plain fp32 sum over a buffer that holds them all (on huge pages, as the
-engine's pools are; a streaming read: about
-the machine's memory bandwidth once the bytes outgrow its caches, and served from its caches when they do not, as an
-engine's would be). That is the ceiling for an engine whose attention reads its cache once a step and does nothing
-else; the linears-only roofline is not changed by it.
+engine's pools are; a streaming read: about the machine's memory bandwidth once the bytes outgrow its caches, and
+served from its caches when they do not, as an engine's would be). That is the ceiling for an engine whose attention
+reads its cache once a step and does nothing else; the linears-only roofline is not changed by it.
 """
 
 from __future__ import annotations
