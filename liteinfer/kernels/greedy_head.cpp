@@ -127,7 +127,7 @@ RowBound quantize_row(const scalar_t* x, int64_t in, const int64_t* dims, int64_
                       uint8_t* levels, uint16_t* outliers, float& scale, bool& finite) {
   std::vector<float> rest(in);
   for (int64_t k = 0; k < in; ++k) rest[k] = static_cast<float>(x[k]);
-  double norm = 0, outlier_error = 0, norm_outliers = 0;
+  double norm = 0, outlier_error = 0, norm_outliers = 0, reach = 0;
   uint32_t exponents = 0;
   auto not_finite = [](float value) {  // bits, not isfinite: the build's -ffast-math drops that
     uint32_t bits;
@@ -141,6 +141,7 @@ RowBound quantize_row(const scalar_t* x, int64_t in, const int64_t* dims, int64_
     exponents |= not_finite(value);
     const double exact = value, kept = static_cast<float>(rounded);
     norm += exact * exact, outlier_error += (exact - kept) * (exact - kept), norm_outliers += kept * kept;
+    reach += std::fabs(kept);
     rest[dims[d]] = 0;
   }
   float largest = 0;
@@ -152,9 +153,6 @@ RowBound quantize_row(const scalar_t* x, int64_t in, const int64_t* dims, int64_
   scale = largest > 0 ? largest / 127 : 1.0f;
   const float inverse = 1.0f / scale;
   double error = 0, norm_rounded = 0;
-  double reach = 0;
-  for (int64_t d = 0; d < num_dims; ++d)
-    reach += std::fabs(static_cast<double>(c10::BFloat16(outliers[d], c10::BFloat16::from_bits())));
   for (int64_t k = 0; k < in; ++k) {
     const float level = std::clamp(std::nearbyint(rest[k] * inverse), -127.0f, 127.0f);
     levels[k] = static_cast<uint8_t>(static_cast<int>(level) + 128);
