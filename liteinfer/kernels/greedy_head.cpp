@@ -227,11 +227,10 @@ void row_candidates(const float* a, const float* high, const float* maxima, int6
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> head_screen(const at::Tensor& hidden, const at::Tensor& outlier_dims,
-                                               const at::Tensor& levels, const at::Tensor& level_scales,
-                                               const at::Tensor& level_offsets, const at::Tensor& outlier_weights,
-                                               const at::Tensor& vocab_terms, const at::Tensor& block_terms,
-                                               double relative, double weight_rounding) {
+at::Tensor head_screen(const at::Tensor& hidden, const at::Tensor& outlier_dims, const at::Tensor& levels,
+                       const at::Tensor& level_scales, const at::Tensor& level_offsets,
+                       const at::Tensor& outlier_weights, const at::Tensor& vocab_terms,
+                       const at::Tensor& block_terms, at::Tensor& logits, double relative, double weight_rounding) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() &&
                   (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
               "expected hidden [rows, in], fp32 or bf16, contiguous");
@@ -260,6 +259,10 @@ std::tuple<at::Tensor, at::Tensor> head_screen(const at::Tensor& hidden, const a
   TORCH_CHECK(block_terms.sizes() == at::IntArrayRef({3, vocab_blocks}) &&
                   block_terms.scalar_type() == at::kFloat && block_terms.is_contiguous(),
               "expected block_terms [3, vocab / 64 rounded up] fp32, contiguous");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) >= rows && logits.size(1) == n &&
+                  logits.scalar_type() == at::kFloat && logits.stride(1) == 1 && logits.stride(0) == n &&
+                  reinterpret_cast<uintptr_t>(logits.data_ptr()) % 64 == 0,
+              "expected logits [rows or more, tokens] fp32, contiguous, on a 64-byte boundary (streaming stores)");
 
   std::vector<uint8_t> x_levels(rows * in);
   std::vector<uint16_t> x_outliers(rows * dims);
@@ -276,7 +279,6 @@ std::tuple<at::Tensor, at::Tensor> head_screen(const at::Tensor& hidden, const a
     hidden.scalar_type() == at::kFloat ? quantize(float{}) : quantize(c10::BFloat16{});
     finite = finite && row_finite;
   }
-  at::Tensor approx = at::empty({rows, n}, hidden.options().dtype(at::kFloat));
   const auto none = at::empty({0}, hidden.options().dtype(at::kLong));
   // Every logit the screen computes, and each partial sum of it, is at most a row's reach times W's largest |level
   // times scale| (its outlier columns' values no larger, but for an fp32 head's rounding to bf16): rows that reach
@@ -285,13 +287,13 @@ std::tuple<at::Tensor, at::Tensor> head_screen(const at::Tensor& hidden, const a
   const double largest_w =
       127.0 * (1 + 0x1p-7) * *std::max_element(maxima + 2 * vocab_blocks, maxima + 3 * vocab_blocks);
   for (int64_t r = 0; r < rows; ++r) finite = finite && bounds[r].reach * largest_w < 0x1p126;
-  if (!finite) return {none, approx};
+  if (!finite) return none;
 
   const int8_t* w = levels.data_ptr<int8_t>();
   const uint16_t* w_outliers = reinterpret_cast<const uint16_t*>(outlier_weights.data_ptr<at::BFloat16>());
   const float* w_scale = level_scales.data_ptr<float>();
   const int32_t* w_offset = level_offsets.data_ptr<int32_t>();
-  float* a = approx.data_ptr<float>();
+  float* a = logits.data_ptr<float>();
   // Each row's largest logit in each block, which the tiles keep as they store the block's logits.
   std::unique_ptr<float[]> high(new float[rows * blocks]);
   // Each thread streams its own range of W's blocks once, every row tile reading a block while it is in cache.
@@ -329,15 +331,15 @@ std::tuple<at::Tensor, at::Tensor> head_screen(const at::Tensor& hidden, const a
   }
   at::Tensor out = at::empty({static_cast<int64_t>(ids.size())}, hidden.options().dtype(at::kLong));
   std::copy(ids.begin(), ids.end(), out.data_ptr<int64_t>());
-  return {out, approx};
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(liteinfer, m) {
   m.def("head_screen(Tensor hidden, Tensor outlier_dims, Tensor levels, Tensor level_scales, Tensor level_offsets, "
-        "Tensor outlier_weights, Tensor vocab_terms, Tensor block_terms, float relative, float weight_rounding) -> "
-        "(Tensor, Tensor)");
+        "Tensor outlier_weights, Tensor vocab_terms, Tensor block_terms, Tensor(a!) logits, float relative, "
+        "float weight_rounding) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(liteinfer, CPU, m) { m.impl("head_screen", &head_screen); }

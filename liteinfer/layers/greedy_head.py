@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from liteinfer import kernels
+from liteinfer import huge_pages, kernels
 from liteinfer.layers.linear import linear, packed_entries, packed_rows, unpack_weight
 
 OUTLIER_DIMS = 32  # x's dims left out of its levels: on SmolLM2, 16 left a tenth of the rows with 18+ candidates
@@ -95,6 +95,10 @@ class ScreenedArgmax(nn.Module):
         self.dim_sums = torch.zeros(plain.shape[1], dtype=torch.float64)
         self.outlier_dims = torch.empty(0, dtype=torch.long)
         self.outlier_weights = torch.empty(level.shape[0] // _BLOCK, 0, _BLOCK, 2, dtype=torch.bfloat16)
+        # Where the screen writes its logits, kept between calls: a fresh [rows, tokens] tensor each call (50 MB at
+        # 256 rows) is mapped anew by the allocator and its pages faulted in as the tiles write them, which took a
+        # 243-row call from ~25 ms to ~37 (docs/benchmarks.md).
+        self.logits = torch.empty(0, level.shape[0], dtype=torch.float32)
         self.calls = 0
 
     @staticmethod
@@ -129,10 +133,17 @@ class ScreenedArgmax(nn.Module):
         self.calls += 1
         if self.calls & (self.calls - 1) == 0:  # a power of two
             self._choose_outlier_dims(hidden, weight)
-        candidates, _ = torch.ops.liteinfer.head_screen(
+        return torch.ops.liteinfer.head_screen(
             hidden, self.outlier_dims, self.levels, self.level_scales, self.level_offsets, self.outlier_weights,
-            self.vocab_terms, self.block_terms, self.relative, self.weight_rounding)
-        return candidates
+            self.vocab_terms, self.block_terms, self.logits_for(len(hidden)), self.relative, self.weight_rounding)
+
+    def logits_for(self, rows: int) -> torch.Tensor:
+        """The screen's logits workspace with room for `rows` rows, on huge pages, grown to the next power of two."""
+        if len(self.logits) < rows:
+            tokens = self.logits.shape[1]
+            rows = 1 << (rows - 1).bit_length()
+            self.logits = huge_pages.empty(rows * tokens * 4).view(torch.float32).view(rows, tokens)
+        return self.logits
 
     def _choose_outlier_dims(self, hidden: torch.Tensor, weight: torch.Tensor) -> None:
         """The OUTLIER_DIMS dims with the largest |x| summed so far, and W's columns for them in bf16, in pairs of dims

@@ -96,11 +96,8 @@ def screened_logits(vocab: int, rows: int, dtype: torch.dtype) -> tuple[torch.Te
     packed = pack_weight(weight)
     screened = ScreenedArgmax(packed, vocab)
     screened.candidates(hidden, packed)  # the first call chooses the outlier dims
-    candidates, approx = torch.ops.liteinfer.head_screen(
-        hidden, screened.outlier_dims, screened.levels, screened.level_scales, screened.level_offsets,
-        screened.outlier_weights, screened.vocab_terms, screened.block_terms, screened.relative,
-        screened.weight_rounding)
-    return hidden, weight[:vocab], screened, candidates, approx[:, :vocab].double()
+    candidates = screened.candidates(hidden, packed)
+    return hidden, weight[:vocab], screened, candidates, screened.logits[:rows, :vocab].double()
 
 
 def bound_terms(hidden: torch.Tensor, screened: ScreenedArgmax) -> tuple[torch.Tensor, ...]:
@@ -159,6 +156,34 @@ def test_candidates_follow_the_contract(dtype, vocab):
     assert (chosen >= (a + half_width >= largest_lower + 1e-4).any(0)).all()
     assert (chosen <= (a + half_width >= largest_lower - 1e-4).any(0)).all()
     assert 0 < chosen.sum() < vocab // 4  # a screen that keeps few
+
+
+def test_screen_writes_its_logits_into_a_workspace_kept_between_calls():
+    """The screen's logits go into one workspace, grown to a power of two rows and reused by smaller calls (a fresh
+    one each call was mapped and faulted in anew: docs/benchmarks.md); what a call finds does not depend on it."""
+    weight, hidden = random_head(torch.Generator().manual_seed(3), 1000, 12, "none", torch.bfloat16)
+    packed = pack_weight(weight)
+    screened = ScreenedArgmax(packed, 1000)
+    screened.candidates(hidden, packed)
+    assert screened.logits.shape == (16, screened.levels.shape[0] * 64)
+    workspace = screened.logits.data_ptr()
+
+    def screen(rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return torch.ops.liteinfer.head_screen(
+            rows, screened.outlier_dims, screened.levels, screened.level_scales, screened.level_offsets,
+            screened.outlier_weights, screened.vocab_terms, screened.block_terms, logits, screened.relative,
+            screened.weight_rounding)
+
+    few = hidden[:3].contiguous()
+    alone = torch.empty(3, screened.logits.shape[1])
+    assert torch.equal(screened.candidates(few, packed), screen(few, alone))
+    assert screened.logits.data_ptr() == workspace
+    assert torch.equal(screened.logits[:3], alone)
+    assert torch.equal(screened(few, packed), full_argmax(few, packed, 1000))
+    with pytest.raises(RuntimeError, match="expected logits"):
+        screen(hidden, alone)  # room for 3 rows, not 12
+    with pytest.raises(RuntimeError, match="64-byte boundary"):
+        screen(few, torch.empty(3 * alone.shape[1] + 1)[1:].view(3, -1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
