@@ -256,9 +256,9 @@ at::Tensor head_screen(const at::Tensor& hidden, const at::Tensor& outlier_dims,
                   vocab_terms.size(1) > 0 && vocab_terms.scalar_type() == at::kFloat && vocab_terms.is_contiguous(),
               "expected vocab_terms [2, vocab] fp32 with vocab <= tokens, contiguous");
   const int64_t vocab = vocab_terms.size(1), vocab_blocks = (vocab + kBlock - 1) / kBlock;
-  TORCH_CHECK(block_terms.sizes() == at::IntArrayRef({3, vocab_blocks}) &&
+  TORCH_CHECK(block_terms.sizes() == at::IntArrayRef({2, vocab_blocks}) &&
                   block_terms.scalar_type() == at::kFloat && block_terms.is_contiguous(),
-              "expected block_terms [3, vocab / 64 rounded up] fp32, contiguous");
+              "expected block_terms [2, vocab / 64 rounded up] fp32, contiguous");
   TORCH_CHECK(logits.dim() == 2 && logits.size(0) >= rows && logits.size(1) == n &&
                   logits.scalar_type() == at::kFloat && logits.stride(1) == 1 && logits.stride(0) == n &&
                   reinterpret_cast<uintptr_t>(logits.data_ptr()) % 64 == 0,
@@ -283,15 +283,13 @@ at::Tensor head_screen(const at::Tensor& hidden, const at::Tensor& outlier_dims,
   // Every logit the screen computes, and each partial sum of it, is at most a row's reach times W's largest |level
   // times scale| (its outlier columns' values no larger, but for an fp32 head's rounding to bf16): rows that reach
   // 2^126 are declined rather than checked value by value, so that the screen's logits are finite without a test.
-  const float* maxima = block_terms.data_ptr<float>();
-  const double largest_w =
-      127.0 * (1 + 0x1p-7) * *std::max_element(maxima + 2 * vocab_blocks, maxima + 3 * vocab_blocks);
+  const float* w_scale = level_scales.data_ptr<float>();
+  const double largest_w = 127.0 * (1 + 0x1p-7) * *std::max_element(w_scale, w_scale + vocab);
   for (int64_t r = 0; r < rows; ++r) finite = finite && bounds[r].reach * largest_w < 0x1p126;
   if (!finite) return none;
 
   const int8_t* w = levels.data_ptr<int8_t>();
   const uint16_t* w_outliers = reinterpret_cast<const uint16_t*>(outlier_weights.data_ptr<at::BFloat16>());
-  const float* w_scale = level_scales.data_ptr<float>();
   const int32_t* w_offset = level_offsets.data_ptr<int32_t>();
   float* a = logits.data_ptr<float>();
   // Each row's largest logit in each block, which the tiles keep as they store the block's logits.
@@ -316,10 +314,11 @@ at::Tensor head_screen(const at::Tensor& hidden, const at::Tensor& outlier_dims,
     }
   const float* norm = vocab_terms.data_ptr<float>();
   const float* distance = norm + vocab;
+  const float* block_maxima = block_terms.data_ptr<float>();
   std::vector<std::vector<int32_t>> found(rows);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      row_candidates(a + r * n, &high[r * blocks], maxima, vocab_blocks, vocab, norm, distance,
+      row_candidates(a + r * n, &high[r * blocks], block_maxima, vocab_blocks, vocab, norm, distance,
                      bounds[r], static_cast<float>(relative), found[r]);
   });
   std::vector<char> chosen(vocab, 0);

@@ -88,10 +88,9 @@ class ScreenedArgmax(nn.Module):
         self.level_offsets = (level.int().sum(dim=1) * 128).int()
         # [2, vocab]: each row's |w_j| and |w_j - w'_j|, widened so that fp32 holds no less than the fp64 value.
         self.vocab_terms = (torch.cat(norms, dim=1) * _MARGIN).float().contiguous()
-        # [3, blocks]: the largest of each block's |w_j|, |w_j - w'_j| and scale, over its tokens in the vocabulary.
-        blocks = torch.cat([self.vocab_terms, self.level_scales[None, :vocab_size]])
-        blocks = torch.cat([blocks, blocks[:, -1:].expand(3, -vocab_size % _BLOCK)], dim=1)  # the last one's again
-        self.block_terms = blocks.view(3, -1, _BLOCK).amax(dim=2).contiguous()
+        # [2, blocks]: the largest of each block's |w_j| and |w_j - w'_j|, over its tokens in the vocabulary.
+        blocks = torch.cat([self.vocab_terms, self.vocab_terms[:, -1:].expand(2, padding)], dim=1)  # the last again
+        self.block_terms = blocks.view(2, -1, _BLOCK).amax(dim=2).contiguous()
         self.dim_sums = torch.zeros(plain.shape[1], dtype=torch.float64)
         self.outlier_dims = torch.empty(0, dtype=torch.long)
         self.outlier_weights = torch.empty(level.shape[0] // _BLOCK, 0, _BLOCK, 2, dtype=torch.bfloat16)
