@@ -36,9 +36,10 @@ fp32 (docs/benchmarks.md).
 Where: heads whose W our packed linear multiplies (fp32 and bf16 on CPUs with AVX-512 BF16; the screen needs VNNI),
 held whole by one rank (`screen_greedy`), for steps whose every row takes the plain argmax (engine/model_runner.py);
 not bf16 heads on CPUs with AMX, whose tiles multiply bf16 faster than vpdpbusd multiplies bytes (not measured there).
-It costs W's levels (a quarter of an fp32 head's memory, half a bf16 one's) and its outlier columns in bf16. A step
-whose hidden states are not all finite, or so large that a screened logit could overflow (~1e38), falls back to the
-full head, as does one that leaves more than half the vocabulary as candidates.
+It costs W's levels (a quarter of an fp32 head's memory, half a bf16 one's), its outlier columns in bf16, and the
+fp32 logits of its largest step's rows (rounded up to a power of two; SmolLM2 at 256 rows: 50 MB). A step whose
+hidden states are not all finite, or so large that a screened logit could overflow (~1e38), falls back to the full
+head, as does one that leaves more than half the vocabulary as candidates.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class ScreenedArgmax(nn.Module):
         self.outlier_weights = torch.empty(level.shape[0] // _BLOCK, 0, _BLOCK, 2, dtype=torch.bfloat16)
         # Where the screen writes its logits, kept between calls: a fresh [rows, tokens] tensor each call (50 MB at
         # 256 rows) is mapped anew by the allocator and its pages faulted in as the tiles write them, which took a
-        # 243-row call from ~25 ms to ~37 (docs/benchmarks.md).
+        # 243-row call from ~21 ms to ~37 (docs/benchmarks.md).
         self.logits = torch.empty(0, level.shape[0], dtype=torch.float32)
         self.calls = 0
 
