@@ -80,20 +80,20 @@ differ by those roundings.
 `head_screen(hidden [rows, in] fp32 or bf16, outlier_dims [D] int64 (D even), levels [tokens / 64, in / 4, 64, 4] int8,
 level_scales [tokens] fp32, level_offsets [tokens] int32, outlier_weights [tokens / 64, D / 2, 64, 2] bf16, vocab_terms
 [2, vocab] fp32, block_terms [2, blocks of 64 in vocab] fp32, logits [rows or more, tokens] fp32 (a workspace, 64-byte
-aligned), relative, weight_rounding)` -> candidates [n] int64, ascending, with logits[:rows] = approx [rows, tokens]
-(unwritten when it declines): layers/greedy_head.py's screen. Each row x is rounded to levels l = round(x_R / s) + 128
-(uint8; x_R is x with the outlier dims zeroed, s its largest |element| / 127), and approx[r, j] = s * level_scales[j] *
-(sum_k l_k levels[j, k] - level_offsets[j]) + sum_d bf16(x[outlier_dims[d]]) outlier_weights[j, d], where levels[j, k]
-is token j's level for input k (64 tokens' four inputs side by side) and outlier_weights[j, d] W's value for that dim in
-bf16 (64 tokens' pairs of dims side by side), off from W's own by at most weight_rounding |w_j| (0 for a bf16 W). A
-token j < vocab is a candidate of row r when approx[r, j] + E(r, j) reaches max_k approx[r, k] - E(r, k), E = (1 +
-relative) e + relative |approx|, where e(r, j) = alpha_r vocab_terms[0, j] + beta_r vocab_terms[1, j] + 1e-6 and
-alpha_r, beta_r the row's terms of greedy_head.py's bound (from x's norms, computed in fp64); candidates is the union
-over the rows, empty when some value of hidden is not finite or a row is so large that a logit could overflow (the l1
-norm of its levels times its scale and of its outlier dims, times 127 (1 + 2^-7) times the largest of
-level_scales[:vocab], reaching 2^126). block_terms holds each block's largest vocab_terms[0] and vocab_terms[1] over its
-tokens j < vocab: the kernel reads only the blocks whose largest approx can reach a candidate's end. Built on CPUs with
-AVX-512 VNNI and BF16 (`head_screen_available()`); at most 65,536 inputs.
+aligned), relative, weight_rounding, largest_scale (the largest of level_scales[:vocab], > 0))` -> candidates [n] int64,
+ascending, with logits[:rows] = approx [rows, tokens] (unwritten when it declines): layers/greedy_head.py's screen. Each
+row x is rounded to levels l = round(x_R / s) + 128 (uint8; x_R is x with the outlier dims zeroed, s its largest
+|element| / 127), and approx[r, j] = s * level_scales[j] * (sum_k l_k levels[j, k] - level_offsets[j]) + sum_d
+bf16(x[outlier_dims[d]]) outlier_weights[j, d], where levels[j, k] is token j's level for input k (64 tokens' four
+inputs side by side) and outlier_weights[j, d] W's value for that dim in bf16 (64 tokens' pairs of dims side by side),
+off from W's own by at most weight_rounding |w_j| (0 for a bf16 W). A token j < vocab is a candidate of row r when
+approx[r, j] + E(r, j) reaches max_k approx[r, k] - E(r, k), E = (1 + relative) e + relative |approx|, where e(r, j) =
+alpha_r vocab_terms[0, j] + beta_r vocab_terms[1, j] + 1e-6 and alpha_r, beta_r the row's terms of greedy_head.py's
+bound (from x's norms, computed in fp64); candidates is the union over the rows, empty when some value of hidden is not
+finite or a row is so large that a logit could overflow (the l1 norm of its levels times its scale and of its outlier
+dims, times 127 (1 + 2^-7) times largest_scale, reaching 2^126). block_terms holds each block's largest vocab_terms[0]
+and vocab_terms[1] over its tokens j < vocab: the kernel reads only the blocks whose largest approx can reach a
+candidate's end. Built on CPUs with AVX-512 VNNI and BF16 (`head_screen_available()`); at most 65,536 inputs.
 
 The pointwise ops (fp32, bf16, fp16; `pointwise_takes(x)` says when the layers call them) compute in fp32 and round
 to x's dtype wherever the PyTorch expressions in layers/norm.py, rotary.py and activation.py round:

@@ -230,7 +230,8 @@ void row_candidates(const float* a, const float* high, const float* maxima, int6
 at::Tensor head_screen(const at::Tensor& hidden, const at::Tensor& outlier_dims, const at::Tensor& levels,
                        const at::Tensor& level_scales, const at::Tensor& level_offsets,
                        const at::Tensor& outlier_weights, const at::Tensor& vocab_terms,
-                       const at::Tensor& block_terms, at::Tensor& logits, double relative, double weight_rounding) {
+                       const at::Tensor& block_terms, at::Tensor& logits, double relative, double weight_rounding,
+                       double largest_scale) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() &&
                   (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
               "expected hidden [rows, in], fp32 or bf16, contiguous");
@@ -263,6 +264,7 @@ at::Tensor head_screen(const at::Tensor& hidden, const at::Tensor& outlier_dims,
                   logits.scalar_type() == at::kFloat && logits.stride(1) == 1 && logits.stride(0) == n &&
                   reinterpret_cast<uintptr_t>(logits.data_ptr()) % 64 == 0,
               "expected logits [rows or more, tokens] fp32, contiguous, on a 64-byte boundary (streaming stores)");
+  TORCH_CHECK(largest_scale > 0, "expected largest_scale > 0: the largest of level_scales over the vocabulary");
 
   std::vector<uint8_t> x_levels(rows * in);
   std::vector<uint16_t> x_outliers(rows * dims);
@@ -283,13 +285,13 @@ at::Tensor head_screen(const at::Tensor& hidden, const at::Tensor& outlier_dims,
   // Every logit the screen computes, and each partial sum of it, is at most a row's reach times W's largest |level
   // times scale| (its outlier columns' values no larger, but for an fp32 head's rounding to bf16): rows that reach
   // 2^126 are declined rather than checked value by value, so that the screen's logits are finite without a test.
-  const float* w_scale = level_scales.data_ptr<float>();
-  const double largest_w = 127.0 * (1 + 0x1p-7) * *std::max_element(w_scale, w_scale + vocab);
+  const double largest_w = 127.0 * (1 + 0x1p-7) * largest_scale;
   for (int64_t r = 0; r < rows; ++r) finite = finite && bounds[r].reach * largest_w < 0x1p126;
   if (!finite) return none;
 
   const int8_t* w = levels.data_ptr<int8_t>();
   const uint16_t* w_outliers = reinterpret_cast<const uint16_t*>(outlier_weights.data_ptr<at::BFloat16>());
+  const float* w_scale = level_scales.data_ptr<float>();
   const int32_t* w_offset = level_offsets.data_ptr<int32_t>();
   float* a = logits.data_ptr<float>();
   // Each row's largest logit in each block, which the tiles keep as they store the block's logits.
@@ -338,7 +340,7 @@ at::Tensor head_screen(const at::Tensor& hidden, const at::Tensor& outlier_dims,
 TORCH_LIBRARY_FRAGMENT(liteinfer, m) {
   m.def("head_screen(Tensor hidden, Tensor outlier_dims, Tensor levels, Tensor level_scales, Tensor level_offsets, "
         "Tensor outlier_weights, Tensor vocab_terms, Tensor block_terms, Tensor(a!) logits, float relative, "
-        "float weight_rounding) -> Tensor");
+        "float weight_rounding, float largest_scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(liteinfer, CPU, m) { m.impl("head_screen", &head_screen); }

@@ -92,6 +92,8 @@ class ScreenedArgmax(nn.Module):
         # [2, blocks]: the largest of each block's |w_j| and |w_j - w'_j|, over its tokens in the vocabulary.
         blocks = torch.cat([self.vocab_terms, self.vocab_terms[:, -1:].expand(2, padding)], dim=1)  # the last again
         self.block_terms = blocks.view(2, -1, _BLOCK).amax(dim=2).contiguous()
+        # W's largest level scale, which bounds every screened logit (the kernel declines rows that could overflow).
+        self.largest_scale = float(self.level_scales[:vocab_size].max())
         self.dim_sums = torch.zeros(plain.shape[1], dtype=torch.float64)
         self.outlier_dims = torch.empty(0, dtype=torch.long)
         self.outlier_weights = torch.empty(level.shape[0] // _BLOCK, 0, _BLOCK, 2, dtype=torch.bfloat16)
@@ -135,7 +137,8 @@ class ScreenedArgmax(nn.Module):
             self._choose_outlier_dims(hidden, weight)
         return torch.ops.liteinfer.head_screen(
             hidden, self.outlier_dims, self.levels, self.level_scales, self.level_offsets, self.outlier_weights,
-            self.vocab_terms, self.block_terms, self.logits_for(len(hidden)), self.relative, self.weight_rounding)
+            self.vocab_terms, self.block_terms, self.logits_for(len(hidden)), self.relative, self.weight_rounding,
+            self.largest_scale)
 
     def logits_for(self, rows: int) -> torch.Tensor:
         """The screen's logits workspace with room for `rows` rows, on huge pages, grown to the next power of two."""

@@ -168,11 +168,11 @@ def test_screen_writes_its_logits_into_a_workspace_kept_between_calls():
     assert screened.logits.shape == (16, screened.levels.shape[0] * 64)
     workspace = screened.logits.data_ptr()
 
-    def screen(rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def screen(rows: torch.Tensor, logits: torch.Tensor, largest_scale: float = screened.largest_scale) -> torch.Tensor:
         return torch.ops.liteinfer.head_screen(
             rows, screened.outlier_dims, screened.levels, screened.level_scales, screened.level_offsets,
             screened.outlier_weights, screened.vocab_terms, screened.block_terms, logits, screened.relative,
-            screened.weight_rounding)
+            screened.weight_rounding, largest_scale)
 
     few = hidden[:3].contiguous()
     alone = torch.empty(3, screened.logits.shape[1])
@@ -184,6 +184,8 @@ def test_screen_writes_its_logits_into_a_workspace_kept_between_calls():
         screen(hidden, alone)  # room for 3 rows, not 12
     with pytest.raises(RuntimeError, match="64-byte boundary"):
         screen(few, torch.empty(3 * alone.shape[1] + 1)[1:].view(3, -1))
+    with pytest.raises(RuntimeError, match="largest_scale"):
+        screen(few, alone, largest_scale=0.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
