@@ -18,9 +18,9 @@ made or loaded by `warm_up`, when the engine starts, so no request waits for one
 
 The packages' file names are a hash of all that their code depends on (`_package_key`): liteinfer's sources (the
 model code and our kernels' schemas), the model's class, config and tensors' shapes, dtypes and strides, the pool's
-layout, torch's version, the CPU (the library is built for the CPU it compiles on) and the thread count (inductor
-writes it into its parallel loops). They live in inductor's cache directory (`TORCHINDUCTOR_CACHE_DIR`, by default
-under /tmp).
+layout, torch's version, inductor's settings, the CPU (the library is built for the CPU it compiles on) and the thread
+count (inductor writes it into its parallel loops). They live in inductor's cache directory
+(`TORCHINDUCTOR_CACHE_DIR`, by default under /tmp).
 """
 
 from __future__ import annotations
@@ -155,7 +155,10 @@ class PackagedDecoder:
         for source in sorted(p for p in SOURCES.rglob("*") if p.suffix in (".py", ".cpp", ".h")):
             digest.update(source.relative_to(SOURCES).as_posix().encode())
             digest.update(source.read_bytes())
-        parts = [torch.__version__, _cpu_description(), torch.get_num_threads(), one, _INDUCTOR_CONFIG,
+        # Inductor's settings as this process has them: environment variables and code change them, and with them
+        # the code it writes (with `cpp.enable_kernel_profile` every kernel call parses a Python stack trace).
+        inductor_config = sorted(torch._inductor.config.save_config_portable().items())
+        parts = [torch.__version__, _cpu_description(), torch.get_num_threads(), one, inductor_config, _INDUCTOR_CONFIG,
                  type(self.step.model).__qualname__, self.hf_config.to_json_string(),
                  [(name, t.shape, t.dtype, t.stride()) for name, t in self._weights().items()],
                  [(t.shape[1:], t.dtype, t.stride()[1:]) for t in self.pool]]

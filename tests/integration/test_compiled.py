@@ -243,8 +243,9 @@ def test_an_engine_of_the_same_shapes_loads_the_packages_and_its_own_weights(pac
 
 def test_package_key_covers_what_the_generated_code_depends_on(packages, tmp_path, monkeypatch):
     """A package is found by a hash of what its code was made from: liteinfer's sources (a changed op schema must
-    not meet an old package), the thread count (written into inductor's parallel loops), the batch form, the
-    model's shapes."""
+    not meet an old package), the thread count (written into inductor's parallel loops), inductor's settings (a
+    process that profiles its kernels must not leave its profiling build to the next), the batch form, the model's
+    shapes."""
     decoder = packages.engine.runner.compiled
     source = tmp_path / "op.cpp"
     source.write_text("void op(int a);")
@@ -257,7 +258,9 @@ def test_package_key_covers_what_the_generated_code_depends_on(packages, tmp_pat
     layer = packages.engine.runner.model.model.layers[0].mlp.down_proj
     with mock.patch.dict(layer._parameters, weight=torch.nn.Parameter(layer.weight[:-16], requires_grad=False)):
         keys.add(decoder.package_path(False))
-    assert len(keys) == 5
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
+        keys.add(decoder.package_path(False))
+    assert len(keys) == 6
 
 
 def test_graphs_are_compiled_at_start_up_only(compiled):
