@@ -156,8 +156,10 @@ class PackagedDecoder:
             digest.update(source.relative_to(SOURCES).as_posix().encode())
             digest.update(source.read_bytes())
         # Inductor's settings as this process has them: environment variables and code change them, and with them
-        # the code it writes (with `cpp.enable_kernel_profile` every kernel call parses a Python stack trace).
-        inductor_config = sorted(torch._inductor.config.save_config_portable().items())
+        # the code it writes (with `cpp.enable_kernel_profile` every kernel call parses a Python stack trace). Not
+        # `aot_inductor.metadata`: a compile writes the machine's description into it (the CPU is in the key).
+        inductor_config = sorted((name, value) for name, value in torch._inductor.config.save_config_portable().items()
+                                 if name != "aot_inductor.metadata")
         parts = [torch.__version__, _cpu_description(), torch.get_num_threads(), one, inductor_config, _INDUCTOR_CONFIG,
                  type(self.step.model).__qualname__, self.hf_config.to_json_string(),
                  [(name, t.shape, t.dtype, t.stride()) for name, t in self._weights().items()],
