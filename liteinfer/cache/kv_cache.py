@@ -12,10 +12,13 @@ from liteinfer.layers import PagedAttention
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, int8: bool = False):
-        # A block's K (or V) rows for each KV head in turn: [blocks, kv_heads, block_size, dim]. The CPU kernels read
-        # a sequence's blocks where they lie, and a block's heads side by side keep those reads together (SmolLM2:
-        # one 6 KB run per block instead of three 2 KB runs in three far parts of the pool). Decode attention took
-        # ~10% less time in the engine than with heads outermost, 25-30% less over scattered blocks (benchmarks.md).
+        # Indexed [blocks, kv_heads, block_size, dim], a block's rows for one KV head one contiguous run. On a CPU
+        # the runs lie head-major, each head's blocks side by side (a [kv_heads, blocks, ...] tensor permuted to
+        # that indexing; the kernels step by the pool's strides, kernels/pool_runs.h): decode attention reads one
+        # head's blocks of a sequence in turn, and with 32-token blocks ran 13% faster so than with a block's heads
+        # side by side on the AMD Zen 4, at 32 and 256 sequences, over block tables in order and shuffled
+        # (benchmarks.md, "2026-12-06 (22:55"; with 16-token blocks and an earlier kernel, heads side by side had
+        # been the faster, 25-30% over scattered blocks). CUDA's pools stay block-major (contiguous): unmeasured.
         # One tensor per layer rather than views of one base: a compiled step (engine/compiled.py) then updates
         # each layer's own input in place; views of one base are aliased inputs, which torch.compile's AOTAutograd
         # merges into one synthetic base, the whole pool, when they are written.
@@ -26,10 +29,10 @@ class KVCache:
         # in k_scales / v_scales (the layout is in liteinfer/kernels/__init__.py; PagedAttention writes it).
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         v_shape = (num_blocks, num_kv_heads, block_size // 4, head_dim, 4) if int8 else shape
-        self.k = [_zeros(shape, torch.uint8 if int8 else dtype, device) for _ in range(num_layers)]
-        self.v = [_zeros(v_shape, torch.int8 if int8 else dtype, device) for _ in range(num_layers)]
-        self.k_scales = [_zeros(shape[:3], torch.float32, device) if int8 else None for _ in range(num_layers)]
-        self.v_scales = [_zeros(shape[:3], torch.float32, device) if int8 else None for _ in range(num_layers)]
+        self.k = [_pool(shape, torch.uint8 if int8 else dtype, device) for _ in range(num_layers)]
+        self.v = [_pool(v_shape, torch.int8 if int8 else dtype, device) for _ in range(num_layers)]
+        self.k_scales = [_pool(shape[:3], torch.float32, device) if int8 else None for _ in range(num_layers)]
+        self.v_scales = [_pool(shape[:3], torch.float32, device) if int8 else None for _ in range(num_layers)]
         self.int8 = int8
         self.device = device
         self.num_blocks = num_blocks
@@ -60,9 +63,9 @@ class KVCache:
             kernels.load()  # the decode attention that reads these pools where they lie
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed pool; on a CPU on huge pages (liteinfer/huge_pages.py), as the weights are: decode attention streams
-    through a sequence's blocks."""
+def _pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool of `shape` ([blocks, kv_heads, ...]); on a CPU head-major and on huge pages (liteinfer/
+    huge_pages.py), as the weights are: decode attention streams through a sequence's blocks."""
     if device.type == "cpu":
-        return huge_pages.zeros(shape, dtype)
+        return huge_pages.zeros((shape[1], shape[0], *shape[2:]), dtype).transpose(0, 1)
     return torch.zeros(shape, dtype=dtype, device=device)

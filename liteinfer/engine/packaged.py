@@ -163,7 +163,8 @@ class PackagedDecoder:
         parts = [torch.__version__, _cpu_description(), torch.get_num_threads(), one, inductor_config, _INDUCTOR_CONFIG,
                  type(self.step.model).__qualname__, self.hf_config.to_json_string(),
                  [(name, t.shape, t.dtype, t.stride()) for name, t in self._weights().items()],
-                 [(t.shape[1:], t.dtype, t.stride()[1:]) for t in self.pool]]
+                 # (their layout by its order of dimensions: a head-major pool's strides hold its number of blocks)
+                 [(t.shape[1:], t.dtype, t.dim_order()) for t in self.pool]]
         digest.update(repr(parts).encode())
         return digest.hexdigest()[:32]
 

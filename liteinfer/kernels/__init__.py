@@ -17,6 +17,10 @@ arithmetic, which tests/unit/test_paged_attention_kernel.py, test_gemv_kernel.py
 test_argmax_kernel.py and test_pointwise_kernels.py hold the ops to.
 `available()` only reports what `load()` did, so that a traced forward can ask without building anything.
 
+The ops that read or write the K/V pools index them [blocks, kv_heads, ...], each block's rows for one KV head (a run)
+contiguous, the runs laid out block-major (a contiguous pool) or head-major (a contiguous [kv_heads, blocks, ...]
+tensor permuted to that indexing, as cache/kv_cache.py lays out the CPU's pools); a layer's pools and scales alike.
+
 `paged_decode_attention(q [seqs, heads, dim], k_cache, v_cache [blocks, kv_heads, block_size, dim],
 block_tables [seqs, width] int64, positions [seqs] int64, scale, sliding_window (0: none), softcap (0: none),
 k_scales=None, v_scales=None)` -> [seqs, heads, dim]: each query attends to keys 0..its position (the last

@@ -25,14 +25,9 @@
 #include "exp16.h"
 #include "int8_pools.h"
 #include "lanes16.h"
+#include "pool_runs.h"
 
 namespace {
-
-// Where a block's rows for one KV head start in a pool laid out [blocks, kv_heads, block_size, dim], in elements.
-// Both kernels address the pools through it.
-inline int64_t block_start(int64_t block, int64_t kv_head, int64_t kv_heads, int64_t block_size, int64_t dim) {
-  return (block * kv_heads + kv_head) * block_size * dim;
-}
 
 // Widens a cache row to fp32. bf16 is spelled as the bit shift it is, so that the compiler vectorises it, and the
 // bits become floats through std::bit_cast: stored through a uint32_t pointer into the float buffer they would
@@ -425,9 +420,10 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, num_keys - sliding_window) : 0;
     return Task{seq, task % kv_heads, first, first - first % block_size, num_keys};
   };
+  const liteinfer::PoolRuns runs = liteinfer::PoolRuns::of(k_cache);  // (check_query_and_pools: all pools alike)
   auto block_of = [&](const auto* pool, const Task& t, int64_t start) {  // a pool's block, or its rows' scales
     const int64_t row = std::is_same_v<decltype(pool), const float*> && kInt8 ? 1 : dim;
-    return pool + block_start(tables[t.seq * table_width + start / block_size], t.kv_head, kv_heads, block_size, row);
+    return pool + runs.start(tables[t.seq * table_width + start / block_size], t.kv_head, block_size * row);
   };
   const int64_t block_bytes = block_size * dim * static_cast<int64_t>(sizeof(kv_t));
 
@@ -760,7 +756,8 @@ bool check_query_and_pools(const at::Tensor& q, const at::Tensor& k_cache, const
               "block_size, dim]");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0,
               "q's head size or head count does not fit the pools");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pools must be contiguous");
+  TORCH_CHECK(liteinfer::PoolRuns::of(v_cache) == liteinfer::PoolRuns::of(k_cache),
+              "the K and V pools' runs must lie alike (pool_runs.h)");
   if (!int8) {
     TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "expected K and V pools of one shape");
     TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
@@ -1001,6 +998,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const uint8_t* k_bytes = int8 ? k_cache.data_ptr<uint8_t>() : nullptr;
   const int8_t* v_bytes = int8 ? v_cache.data_ptr<int8_t>() : nullptr;
   const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const liteinfer::PoolRuns runs = liteinfer::PoolRuns::of(k_cache);  // (check_query_and_pools: all pools alike)
   const int64_t* starts = starts_t.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   scalar_t* out_data = out.data_ptr<scalar_t>();
@@ -1036,10 +1034,10 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
           continue;
         }
         const int64_t block = tables[s * table_width + key / block_size], row = key % block_size;
-        const int64_t offset = block_start(block, h, kv_heads, block_size, kDim) + row * kDim;
+        const int64_t offset = runs.start(block, h, block_size * kDim) + row * kDim;
         if (int8) {  // K stored as k + 128; V with four keys' elements side by side (kernels/__init__.py)
-          const int64_t scale_at = block_start(block, h, kv_heads, block_size, 1) + row;
-          const int8_t* v_block = v_bytes + block_start(block, h, kv_heads, block_size, kDim);
+          const int64_t scale_at = runs.start(block, h, block_size) + row;
+          const int8_t* v_block = v_bytes + runs.start(block, h, block_size * kDim);
           for (int64_t d = 0; d < kDim; ++d) {
             kp[k_index(j, d)] = Panel((static_cast<int32_t>(k_bytes[offset + d]) - 128) * k_scales[scale_at]);
             vp[v_index(j, d)] = Panel(v_block[liteinfer::v_byte(row, d, kDim)] * v_scales[scale_at]);

@@ -22,6 +22,7 @@
 #include "exp16.h"
 #include "gate_row.h"
 #include "int8_pools.h"
+#include "pool_runs.h"
 
 namespace {
 
@@ -299,8 +300,9 @@ at::Tensor gated_activation(const at::Tensor& gate_up, c10::string_view act) {
 }
 
 // Each new token's K and V ([tokens, kv_heads, dim], each head's row contiguous) copied into its cache slot: row
-// slot_offsets[t] of block slot_blocks[t] of pools [blocks, kv_heads, block_size, dim]. PyTorch's indexed
-// assignment costs ~10 us a call at a decode step's few tokens, two calls a layer.
+// slot_offsets[t] of block slot_blocks[t] of pools [blocks, kv_heads, block_size, dim] (their runs block- or
+// head-major: pool_runs.h). PyTorch's indexed assignment costs ~10 us a call at a decode step's few tokens, two
+// calls a layer.
 // What both K/V writes ask of the new rows k and v ([tokens, kv_heads, dim], each head's row contiguous, in
 // `dtype`) and of their slots (one int64 block and offset per token, inside the pool of `blocks` x `block_size`).
 void check_rows_and_slots(const at::Tensor& k, const at::Tensor& v, int64_t heads, int64_t dim, at::ScalarType dtype,
@@ -324,9 +326,10 @@ void check_rows_and_slots(const at::Tensor& k, const at::Tensor& v, int64_t head
 
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "expected K/V pools [blocks, kv_heads, block_size, dim], contiguous, alike");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "expected K/V pools [blocks, kv_heads, block_size, dim], alike");
+  const liteinfer::PoolRuns runs = liteinfer::PoolRuns::of(k_cache);
+  TORCH_CHECK(liteinfer::PoolRuns::of(v_cache) == runs, "the K and V pools' runs must lie alike (pool_runs.h)");
   const int64_t tokens = k.size(0), heads = k_cache.size(1), block_size = k_cache.size(2), dim = k_cache.size(3);
   check_rows_and_slots(k, v, heads, dim, k_cache.scalar_type(), slot_blocks, slot_offsets, k_cache.size(0),
                        block_size);
@@ -343,7 +346,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
       const int64_t head_stride = src->stride(1) * src->element_size();
       for (int64_t t = begin; t < end; ++t)
         for (int64_t h = 0; h < heads; ++h)
-          std::memcpy(to + ((blocks[t] * heads + h) * block_size + offsets[t]) * row_bytes,
+          std::memcpy(to + (runs.start(blocks[t], h, block_size) + offsets[t]) * row_bytes,
                       from + t * token_stride + h * head_stride, row_bytes);
     }
   });
@@ -355,12 +358,12 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 template <typename scalar_t>
 void write_kv_int8_rows(const at::Tensor& k, const at::Tensor& v, uint8_t* k_pool, int8_t* v_pool, float* k_scales,
                         float* v_scales, const int64_t* blocks, const int64_t* offsets, int64_t heads,
-                        int64_t block_size, int64_t dim) {
+                        int64_t block_size, int64_t dim, liteinfer::PoolRuns runs) {
   const scalar_t* k_data = k.data_ptr<scalar_t>();
   const scalar_t* v_data = v.data_ptr<scalar_t>();
   // Row o of a head's block starts at block_row + o (K rows, scales); its V elements lie among the block's V bytes
   // for the head (int8_pools.h: v_byte), within the quad of rows o / 4.
-  auto block_row = [&](int64_t t, int64_t h) { return (blocks[t] * heads + h) * block_size; };
+  auto block_row = [&](int64_t t, int64_t h) { return runs.start(blocks[t], h, block_size); };
   auto v_block = [&](int64_t t, int64_t h) { return v_pool + block_row(t, h) * dim; };
   // The slots lie anywhere in the pools, so each token's lines (a K row, the V quad its row is spread over, two
   // scales) are requested kAhead tokens before they are written: one at a time, the misses took turns (the write
@@ -419,7 +422,7 @@ void write_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
     write_kv_int8_rows<scalar_t>(k, v, k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<int8_t>(),
                                  k_scales.data_ptr<float>(), v_scales.data_ptr<float>(),
                                  slot_blocks.data_ptr<int64_t>(), slot_offsets.data_ptr<int64_t>(), heads, block_size,
-                                 dim);
+                                 dim, liteinfer::PoolRuns::of(k_cache));
   });
 }
 

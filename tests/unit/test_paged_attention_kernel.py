@@ -92,6 +92,36 @@ def test_kernel_matches_attention_over_gathered_blocks(data, dtype, kv_heads, gr
     torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+def head_major(pool: torch.Tensor) -> torch.Tensor:
+    """The same pool with its runs (a block's rows for one KV head) laid out head-major, as KVCache lays out a
+    CPU's pools."""
+    return pool.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(**DECODE_CASES)
+def test_kernels_give_the_same_bits_over_head_major_pools(data, dtype, kv_heads, group, dim, block_size, window,
+                                                          softcap):
+    """Both kernels (the prompt one where it is built, for its head sizes) read a pool's runs where its strides put
+    them: the same pools laid out head-major give the same outputs to the bit."""
+    assert kernels.load()
+    attn, q, tables, positions = make_case(data, dtype, kv_heads, group, dim, block_size, window, softcap)
+    runs = []
+    if kernels.prefill_available() and dim in (64, 128) and softcap is None and block_size >= 4:
+        # (four spans of up to 24 tokens within make_case's 24 blocks)
+        meta = prompt_spans(data, block_size, num_blocks=len(attn.k_cache), max_new=8, max_context=16)
+        prompt_q = torch.randn(len(meta.positions), kv_heads * group, dim).to(dtype)
+        runs.append(lambda: attn._attend_prefills(prompt_q, meta))
+    runs.append(lambda: attn._attend_decodes(q, tables, positions))
+    outputs = []
+    for lay_out in (torch.clone, head_major):
+        attn.k_cache, attn.v_cache = lay_out(attn.k_cache), lay_out(attn.v_cache)
+        outputs.append([run() for run in runs])
+    assert not attn.k_cache.is_contiguous() or kv_heads == 1
+    for block_major_out, head_major_out in zip(*outputs, strict=True):
+        assert torch.equal(head_major_out, block_major_out)
+
+
 def triton_paged_decode_attention(attn: PagedAttention, q, tables, positions) -> torch.Tensor:
     """The Triton kernel on the layer's pools and these queries, run on TRITON_DEVICE, the result back on CPU."""
     from liteinfer.kernels.triton_attention import paged_decode_attention
@@ -193,13 +223,13 @@ def prefill_step(tables: list[list[int]], lengths, contexts) -> AttentionMetadat
                              decode_block_tables=torch.zeros(0, 1, dtype=torch.long), prefills=spans)
 
 
-def prompt_spans(data, block_size: int, num_blocks: int, max_new: int = 40) -> AttentionMetadata:
-    """A step of 1-4 spans of 1-`max_new` new tokens on top of 0-50 cached ones (prefix hits, chunked prefill), each
-    on its own blocks drawn from the pools' `num_blocks`."""
+def prompt_spans(data, block_size: int, num_blocks: int, max_new: int = 40, max_context: int = 50) -> AttentionMetadata:
+    """A step of 1-4 spans of 1-`max_new` new tokens on top of 0-`max_context` cached ones (prefix hits, chunked
+    prefill), each on its own blocks drawn from the pools' `num_blocks`."""
     free = torch.randperm(num_blocks).tolist()
     tables, lengths, contexts = [], [], []
     for _ in range(data.draw(st.integers(1, 4), label="spans")):
-        contexts.append(data.draw(st.integers(0, 50), label="context"))
+        contexts.append(data.draw(st.integers(0, max_context), label="context"))
         lengths.append(data.draw(st.integers(1, max_new), label="new"))
         tables.append([free.pop() for _ in range(-(-(contexts[-1] + lengths[-1]) // block_size))])
     return prefill_step(tables, lengths, contexts)

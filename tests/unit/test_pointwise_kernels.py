@@ -168,16 +168,18 @@ def test_gated_activation_matches_pytorch(dtype, rows, size, act, seed):
     tokens=st.integers(1, 40),
     kv_heads=st.integers(1, 3),
     block_size=st.sampled_from([1, 4, 16]),
+    head_major=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_write_kv_matches_indexed_assignment(dtype, tokens, kv_heads, block_size, seed):
-    """The step's K/V written into distinct random slots of the pools; v as the layers hand it over (a view into
-    the fused projection's rows)."""
+def test_write_kv_matches_indexed_assignment(dtype, tokens, kv_heads, block_size, head_major, seed):
+    """The step's K/V written into distinct random slots of the pools (their runs block-major, or head-major as
+    KVCache lays out a CPU's); v as the layers hand it over (a view into the fused projection's rows)."""
     torch.manual_seed(seed)
     dim, num_blocks = 32, 64
     attn = PagedAttention(kv_heads, kv_heads, dim, dim**-0.5)
     pools = [torch.randn(num_blocks, kv_heads, block_size, dim).to(dtype) for _ in range(2)]
-    attn.k_cache, attn.v_cache = (pool.clone() for pool in pools)
+    lay_out = (lambda pool: pool.transpose(0, 1).contiguous().transpose(0, 1)) if head_major else torch.clone
+    attn.k_cache, attn.v_cache = (lay_out(pool) for pool in pools)
     slots = torch.randperm(num_blocks * block_size)[:tokens]
     blocks, offsets = slots // block_size, slots % block_size
     # Each token a decode that sees its block up to its own slot (attention runs too; its output is not checked).
@@ -203,3 +205,12 @@ def test_ops_refuse_what_they_cannot_take():
     pool = torch.zeros(4, 2, 4, 8)
     with pytest.raises(RuntimeError, match="outside the pool"):
         torch.ops.liteinfer.write_kv(q, q, pool, pool.clone(), torch.tensor([0, 0, 4, 0]), torch.zeros(4).long())
+    slots = torch.zeros(4).long()
+    rows_apart = torch.zeros(4, 2, 8, 4).transpose(2, 3)  # a block's rows for a head not one contiguous run
+    with pytest.raises(RuntimeError, match="one KV head must be contiguous"):
+        torch.ops.liteinfer.write_kv(q, q, rows_apart, rows_apart.clone(), slots, slots)
+    every_other = torch.zeros(8, 2, 4, 8)[::2]  # runs neither block-major nor head-major
+    with pytest.raises(RuntimeError, match="block-major .* or head-major"):
+        torch.ops.liteinfer.write_kv(q, q, every_other, every_other.clone(), slots, slots)
+    with pytest.raises(RuntimeError, match="lie alike"):
+        torch.ops.liteinfer.write_kv(q, q, pool, pool.transpose(0, 1).contiguous().transpose(0, 1), slots, slots)
