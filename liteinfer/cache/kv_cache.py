@@ -15,10 +15,11 @@ class KVCache:
         # Indexed [blocks, kv_heads, block_size, dim], a block's rows for one KV head one contiguous run. On a CPU
         # the runs lie head-major, each head's blocks side by side (a [kv_heads, blocks, ...] tensor permuted to
         # that indexing; the kernels step by the pool's strides, kernels/pool_runs.h): decode attention reads one
-        # head's blocks of a sequence in turn, and with 32-token blocks ran 13% faster so than with a block's heads
-        # side by side on the AMD Zen 4, at 32 and 256 sequences, over block tables in order and shuffled
-        # (benchmarks.md, "2026-12-06 (22:55"; with 16-token blocks and an earlier kernel, heads side by side had
-        # been the faster, 25-30% over scattered blocks). CUDA's pools stay block-major (contiguous): unmeasured.
+        # head's blocks of a sequence in turn, so a sequence's consecutive blocks are one run. With 32-token blocks
+        # it ran 13% faster over pools laid out so than over a block's heads side by side (the AMD Zen 4, 32 and 256
+        # sequences, block tables in order and shuffled; benchmarks.md, "2026-12-06 (22:55"). With 16-token blocks
+        # and an earlier kernel, heads side by side had been the faster (25-30% over scattered blocks). CUDA's
+        # pools stay block-major (contiguous): unmeasured there.
         # One tensor per layer rather than views of one base: a compiled step (engine/compiled.py) then updates
         # each layer's own input in place; views of one base are aliased inputs, which torch.compile's AOTAutograd
         # merges into one synthetic base, the whole pool, when they are written.

@@ -326,7 +326,8 @@ void check_rows_and_slots(const at::Tensor& k, const at::Tensor& v, int64_t head
 
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
               "expected K/V pools [blocks, kv_heads, block_size, dim], alike");
   const liteinfer::PoolRuns runs = liteinfer::PoolRuns::of(k_cache);
   TORCH_CHECK(liteinfer::PoolRuns::of(v_cache) == runs, "the K and V pools' runs must lie alike (pool_runs.h)");

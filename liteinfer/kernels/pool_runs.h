@@ -32,7 +32,9 @@ struct PoolRuns {
   }
 
   // The first element of run (block, head), in a pool whose runs hold `run` elements each.
-  int64_t start(int64_t block, int64_t head, int64_t run) const { return (block * block_step + head * head_step) * run; }
+  int64_t start(int64_t block, int64_t head, int64_t run) const {
+    return (block * block_step + head * head_step) * run;
+  }
 
   bool operator==(const PoolRuns& other) const {
     return block_step == other.block_step && head_step == other.head_step;
