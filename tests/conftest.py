@@ -121,6 +121,12 @@ def torch_threads(count: int):
         torch.set_num_threads(threads)
 
 
+def head_major(pool: torch.Tensor) -> torch.Tensor:
+    """The same K/V pool with its runs (a block's rows for one KV head) laid out head-major, as KVCache lays out a
+    CPU's pools."""
+    return pool.transpose(0, 1).contiguous().transpose(0, 1)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """For a module of tiny-model tests: with one torch thread, thread hand-offs stop costing more than the maths."""

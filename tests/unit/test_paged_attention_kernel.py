@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import torch_threads
+from conftest import head_major, torch_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -90,12 +90,6 @@ def test_kernel_matches_attention_over_gathered_blocks(data, dtype, kv_heads, gr
 
     assert out.dtype == dtype and out.shape == expected.shape
     torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-
-
-def head_major(pool: torch.Tensor) -> torch.Tensor:
-    """The same pool with its runs (a block's rows for one KV head) laid out head-major, as KVCache lays out a
-    CPU's pools."""
-    return pool.transpose(0, 1).contiguous().transpose(0, 1)
 
 
 @settings(max_examples=30, deadline=None)

@@ -7,6 +7,7 @@ elements."""
 
 import pytest
 import torch
+from conftest import head_major as to_head_major
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -178,7 +179,7 @@ def test_write_kv_matches_indexed_assignment(dtype, tokens, kv_heads, block_size
     dim, num_blocks = 32, 64
     attn = PagedAttention(kv_heads, kv_heads, dim, dim**-0.5)
     pools = [torch.randn(num_blocks, kv_heads, block_size, dim).to(dtype) for _ in range(2)]
-    lay_out = (lambda pool: pool.transpose(0, 1).contiguous().transpose(0, 1)) if head_major else torch.clone
+    lay_out = to_head_major if head_major else torch.clone
     attn.k_cache, attn.v_cache = (lay_out(pool) for pool in pools)
     slots = torch.randperm(num_blocks * block_size)[:tokens]
     blocks, offsets = slots // block_size, slots % block_size
@@ -213,4 +214,4 @@ def test_ops_refuse_what_they_cannot_take():
     with pytest.raises(RuntimeError, match="block-major .* or head-major"):
         torch.ops.liteinfer.write_kv(q, q, every_other, every_other.clone(), slots, slots)
     with pytest.raises(RuntimeError, match="lie alike"):
-        torch.ops.liteinfer.write_kv(q, q, pool, pool.transpose(0, 1).contiguous().transpose(0, 1), slots, slots)
+        torch.ops.liteinfer.write_kv(q, q, pool, to_head_major(pool), slots, slots)
