@@ -102,22 +102,23 @@ class EngineRunner(ABC):
 _request_ids = itertools.count()
 
 
-def run_step_loop(engine: Any, sampling_params: type, requests: list[BenchRequest]) -> list[RequestTrace]:
+def run_step_loop(engine: Any, sampling_params: type, delta: Any, requests: list[BenchRequest]) -> list[RequestTrace]:
     """Add every request to a vLLM-style engine (liteinfer's `LLMEngine` or vLLM's), then `step()` it until it is
-    idle, stamping each new token when the step that sampled it returns: what a streaming caller would see."""
+    idle, stamping each new token when the step that sampled it returns: what a streaming caller would see. The
+    requests ask for `delta` outputs (the engine's `RequestOutputKind.DELTA`), as a streaming server does: each
+    output holds only the tokens new since the last one."""
     submitted = time.perf_counter()
     ids = [f"bench-{next(_request_ids)}" for _ in requests]
     for request_id, request in zip(ids, requests):
         params = sampling_params(temperature=0, max_tokens=request.output_len, min_tokens=request.output_len,
-                                 ignore_eos=True)
+                                 ignore_eos=True, output_kind=delta)
         engine.add_request(request_id, {"prompt_token_ids": request.prompt_token_ids}, params)
     traces = {request_id: RequestTrace(submitted, [], []) for request_id in ids}
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = time.perf_counter()
         for output in outputs:
-            trace = traces[output.request_id]
-            new = output.outputs[0].token_ids[len(trace.token_ids):]
+            trace, new = traces[output.request_id], output.outputs[0].token_ids
             trace.token_ids.extend(new)
             trace.token_times.extend([now] * len(new))
     return [traces[request_id] for request_id in ids]

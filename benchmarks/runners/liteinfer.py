@@ -9,7 +9,7 @@ import torch
 from benchmarks.metrics import RequestTrace
 from benchmarks.runners.base import TORCH_DTYPES, EngineRunner, run_step_loop
 from benchmarks.workloads import BenchRequest
-from liteinfer import LLM, SamplingParams
+from liteinfer import LLM, RequestOutputKind, SamplingParams
 
 
 class LiteInferRunner(EngineRunner):
@@ -27,4 +27,4 @@ class LiteInferRunner(EngineRunner):
                         "threads": torch.get_num_threads()}
 
     def run(self, requests: list[BenchRequest]) -> list[RequestTrace]:
-        return run_step_loop(self.engine, SamplingParams, requests)
+        return run_step_loop(self.engine, SamplingParams, RequestOutputKind.DELTA, requests)

@@ -13,6 +13,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is i
 
 import torch  # noqa: E402
 import vllm  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 from benchmarks.metrics import RequestTrace  # noqa: E402
 from benchmarks.runners.base import TORCH_DTYPES, EngineRunner, run_step_loop  # noqa: E402
@@ -34,4 +35,4 @@ class VLLMRunner(EngineRunner):
         self.details = {"vllm": vllm.__version__, "options": self.spec.options}
 
     def run(self, requests: list[BenchRequest]) -> list[RequestTrace]:
-        return run_step_loop(self.engine, vllm.SamplingParams, requests)
+        return run_step_loop(self.engine, vllm.SamplingParams, RequestOutputKind.DELTA, requests)

@@ -71,7 +71,11 @@ class IncrementalDetokenizer:
     def committed_text(self) -> str:
         """The text returned as deltas so far: no later token can change it, so it only ever grows (`text` may
         still lose a tail that turns out to begin a stop string)."""
-        return self.text[: self.num_sent]
+        return self.committed_text_from(0)
+
+    def committed_text_from(self, start: int) -> str:
+        """`committed_text[start:]`, without copying the characters before `start`."""
+        return self.text[start : self.num_sent]
 
     def flush(self) -> str:
         """Returns the held-back tail once the sequence has finished for a reason other than a stop string."""

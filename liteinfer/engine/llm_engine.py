@@ -263,7 +263,7 @@ class LLMEngine:
                 seq.finish_reason = "abort"
         request.unforked.clear()
         request.metrics.finished_time = time.monotonic()
-        return request.to_output()
+        return request.to_output(delta=request.params.output_kind is RequestOutputKind.DELTA)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -278,7 +278,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return the outputs of every request that got a new token (of those that
-        asked for `RequestOutputKind.FINAL_ONLY`, only the finished ones)."""
+        asked for `RequestOutputKind.FINAL_ONLY`, only the finished ones; of `DELTA` ones, what is new)."""
         batch = self.scheduler.schedule()
         for seq in batch.preempted:
             self.requests[seq.request_id].metrics.num_preemptions += 1
@@ -313,7 +313,7 @@ class LLMEngine:
                 self.requests.pop(request.request_id, None)
             elif request.params.output_kind is RequestOutputKind.FINAL_ONLY:
                 continue
-            outputs.append(request.to_output())
+            outputs.append(request.to_output(delta=request.params.output_kind is RequestOutputKind.DELTA))
         return outputs
 
     def _append_token(self, request: Request, seq: Sequence, out: SamplerOutput, row: int) -> None:

@@ -49,6 +49,9 @@ class Sequence:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    # How far the request's DELTA outputs have carried this sample: output tokens (their logprobs alike), characters.
+    num_reported_tokens: int = 0
+    num_reported_chars: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -66,15 +69,21 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def to_output(self) -> CompletionOutput:
+    def to_output(self, delta: bool = False) -> CompletionOutput:
+        """The sample so far; with `delta`, only the tokens, text and logprobs that the previous delta output did not
+        carry (this one now has)."""
+        first_token = first_char = 0
+        if delta:
+            first_token, first_char = self.num_reported_tokens, self.num_reported_chars
+            self.num_reported_tokens, self.num_reported_chars = self.num_output_tokens, self.detokenizer.num_sent
         wants_logprobs = self.params.logprobs is not None
         return CompletionOutput(
             index=self.index,
             # What a stream may show: never text that a stop string completed by a later token would take back.
-            text=self.detokenizer.committed_text,
-            token_ids=self.output_token_ids,
+            text=self.detokenizer.committed_text_from(first_char),
+            token_ids=self.token_ids[self.num_prompt_tokens + first_token :],
             cumulative_logprob=self.cumulative_logprob if wants_logprobs else None,
-            logprobs=list(self.logprobs) if wants_logprobs else None,
+            logprobs=self.logprobs[first_token:] if wants_logprobs else None,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
@@ -96,12 +105,12 @@ class Request:
     def is_finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
 
-    def to_output(self) -> RequestOutput:
+    def to_output(self, delta: bool = False) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[seq.to_output() for seq in self.seqs],
+            outputs=[seq.to_output(delta) for seq in self.seqs],
             finished=self.is_finished,
             metrics=self.metrics,
             num_cached_tokens=self.seqs[0].num_cached_tokens,

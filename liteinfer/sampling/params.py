@@ -24,12 +24,15 @@ _BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens
 
 
 class RequestOutputKind(enum.Enum):
-    """Which steps report a request (vLLM's names): every step that gives it a token, with everything so far, or only
-    the step that finishes it. `LLM.generate` and `AsyncLLM.generate` ask for the last: an output holds the tokens
-    and text so far, so building one for every running request every step grows with them (256 requests of 128
-    tokens on a model whose compute is negligible, 2 Zen 3 cores: a step's median 15.1 ms, 12.0 without)."""
+    """Which steps report a request, and with what (vLLM's names): CUMULATIVE, every step that gives it a token, with
+    everything so far; DELTA, the same steps, each with only what is new since the previous report (a streaming
+    caller's kind); FINAL_ONLY, only the step that finishes it, with everything. `LLM.generate` and
+    `AsyncLLM.generate` ask for FINAL_ONLY: a cumulative output copies the tokens and text so far, so building one
+    for every running request every step grows with them (256 requests of 128 tokens on a model whose compute is
+    negligible, 2 Zen 3 cores: a step's median 15.1 ms, 12.0 without)."""
 
     CUMULATIVE = enum.auto()
+    DELTA = enum.auto()
     FINAL_ONLY = enum.auto()
 
 

@@ -18,7 +18,7 @@ from parity import (
     prefill_logits,
 )
 
-from liteinfer import LLM, RequestOutputKind, SamplingParams
+from liteinfer import LLM, RequestOutput, RequestOutputKind, SamplingParams
 
 # Prompts of at most 16 tokens, so that with max_model_len=64 each can generate NUM_NEW.
 SHORT_PROMPTS = [
@@ -244,6 +244,43 @@ def test_engine_reports_a_final_only_request_once_when_it_finishes(tiny_llama_di
     final, every = steps[-1]["final"], steps[-1]["every"]
     assert final.finished and final.outputs[0].token_ids == every.outputs[0].token_ids
     assert final.outputs[0].text == every.outputs[0].text and final.outputs[0].finish_reason == "length"
+
+
+def test_engine_delta_outputs_add_up_to_the_cumulative_ones(tiny_llama_dir):
+    """A DELTA request is reported at the same steps as its CUMULATIVE twin, each time with only what is new: its
+    tokens, text and logprobs so far, joined, equal the twin's at every step (n > 1, stop strings holding text
+    back, logprobs), and an abort's output carries only the rest."""
+    engine = LLM(str(tiny_llama_dir), dtype="float32").engine
+    params = dict(n=2, temperature=0.8, seed=3, max_tokens=12, logprobs=2, stop=[" the", "ab"])
+    kinds = {"cumulative": RequestOutputKind.CUMULATIVE, "delta": RequestOutputKind.DELTA}
+    for name, kind in kinds.items():
+        engine.add_request(name, "Hello there", SamplingParams(**params, output_kind=kind))
+        engine.add_request(f"{name}-aborted", "Once upon", SamplingParams(**params, output_kind=kind))
+    joined = {}  # (request id, sample) -> (token ids, text, logprobs) from the delta outputs so far
+
+    def check(outputs: list[RequestOutput]) -> None:
+        """One report (a step's outputs, or the aborts'): the twins come together, and what is joined agrees."""
+        by_id = {out.request_id: out for out in outputs}
+        assert {name.replace("cumulative", "delta") for name in by_id if "cumulative" in name} == {
+            name for name in by_id if "delta" in name}
+        for twin in by_id.keys() & {"cumulative", "cumulative-aborted"}:
+            every, delta = by_id[twin], by_id[twin.replace("cumulative", "delta")]
+            assert delta.finished == every.finished
+            for whole, new in zip(every.outputs, delta.outputs, strict=True):
+                tokens, text, logprobs = joined.get((twin, new.index), ([], "", []))
+                joined[twin, new.index] = (tokens + new.token_ids, text + new.text, logprobs + new.logprobs)
+                assert joined[twin, new.index] == (whole.token_ids, whole.text, whole.logprobs)
+                assert (new.finish_reason, new.stop_reason) == (whole.finish_reason, whole.stop_reason)
+                assert new.cumulative_logprob == whole.cumulative_logprob
+
+    for num_steps in range(1, 100):
+        if not engine.has_unfinished_requests():
+            break
+        check(engine.step())
+        if num_steps == 4:
+            check([engine.abort_request(f"{name}-aborted") for name in kinds])
+    assert set(joined) == {(twin, index) for twin in ("cumulative", "cumulative-aborted") for index in (0, 1)}
+    assert all(len(tokens) > 1 for tokens, _, _ in joined.values())  # a report adds one token a sample: several joined
 
 
 def test_engine_n3_samples_share_prompt_blocks(tiny_llama_dir):
