@@ -25,6 +25,7 @@ from typing import Any
 
 from liteinfer.config import EngineConfig
 from liteinfer.engine.llm_engine import EngineStats, LLMEngine, PromptType
+from liteinfer.engine.workers import freeze_startup_objects
 from liteinfer.models.source import load_config, load_tokenizer, resolve_model
 from liteinfer.outputs import CompletionOutput, RequestOutput
 from liteinfer.sampling import SamplingParams
@@ -50,6 +51,7 @@ class _Replica:
 
     def __init__(self, config: EngineConfig):
         self.engine = LLMEngine(config)
+        freeze_startup_objects()  # the actor's process is ours
 
     def max_model_len(self) -> int:
         return self.engine.max_model_len

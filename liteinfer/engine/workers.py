@@ -21,6 +21,7 @@ pool is collected, and at interpreter exit.
 from __future__ import annotations
 
 import contextlib
+import gc
 import signal
 import traceback
 import weakref
@@ -254,6 +255,16 @@ def _stop(processes: list[mp.Process], conns: list[Connection]) -> None:
         conn.close()
 
 
+def freeze_startup_objects() -> None:
+    """For a process of our own (a worker, a replica, the server): what start-up made (torch, the model, the tokenizer:
+    ~370,000 objects for SmolLM2) lives as long as the process, so it is moved out of the garbage collector's reach.
+    A full collection then scans only what came since, where it would otherwise stop the process for ~0.2 s
+    (docs/benchmarks.md), and a tensor-parallel worker's pause stalls every rank at the next collective. Not done in
+    a user's process (`LLM`, `AsyncLLM`): their objects would be frozen too, never again collected as cycles."""
+    gc.collect()
+    gc.freeze()
+
+
 def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: ShardSpec) -> None:
     # Ctrl-C reaches the whole process group; rank 0 decides when its workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -267,6 +278,7 @@ def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: ShardS
         tp = TensorParallelGroup.connect(store, rank, size, device)
         model = spec.build_model(tp, device)
         spec.kv_cache(tp, conn.recv(), device).bind(model)
+        freeze_startup_objects()
         conn.send("ok")
         with torch.inference_mode():
             while data := conn.recv_bytes():

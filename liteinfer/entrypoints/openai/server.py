@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import secrets
@@ -24,6 +23,7 @@ from starlette.exceptions import HTTPException
 from liteinfer import __version__
 from liteinfer.engine.async_llm import AsyncLLM, EngineOverloadedError, StreamEvent
 from liteinfer.engine.llm_engine import PromptType
+from liteinfer.engine.workers import freeze_startup_objects
 from liteinfer.entrypoints.openai.metrics import ServerMetrics
 from liteinfer.entrypoints.openai.protocol import (
     AssistantMessage,
@@ -111,11 +111,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None = None,
     """Load the model, then serve it until interrupted (what `liteinfer serve` runs)."""
     llm = AsyncLLM(model, **async_llm_options)
     app = build_app(llm, served_model_name or llm.engine.config.model, api_key)
-    # What start-up made (torch, the model, the tokenizer: ~370,000 objects for SmolLM2) lives as long as the process:
-    # moved out of the collector's reach, a full collection scans only what serving made since, where it would
-    # otherwise stop the engine loop for ~0.2 s (docs/benchmarks.md).
-    gc.collect()
-    gc.freeze()
+    freeze_startup_objects()  # `liteinfer serve` is a process of our own
     # Open streams get a few seconds to finish on shutdown; the rest are aborted with the engine loop.
     uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=5)
 
