@@ -1,12 +1,12 @@
 """Kernels of our own, in C++, for what PyTorch has no fast op for on CPU: decode attention that reads the paged KV pool
 in place, float linears on weights packed for them, the matmul of int8 and int4 weights (at any number of rows) and the
 one-row matmul of float ones, the greedy argmax of a step's logits (and the tokens that can hold it, from the head
-multiplied in bytes), and a decoder layer's per-token operations (RMSNorm, rotary, gated activation, the K/V cache
-write) in one pass each for the steps that run eagerly (the gated activation in compiled graphs too). Two kernels are
-for CUDA, in Triton: decode and prompt attention over the paged pool (`triton_attention.py`, the contracts of
-`paged_decode_attention` and `paged_prefill_attention` below for plain pools, the prompt one for blocks of 16 keys or
-more, with soft-capping, and the most tokens a span holds given; imported by the attention layer where Triton is
-installed, not built by `load()`).
+multiplied in bytes), a sampled token per row of logits, and a decoder layer's per-token operations (RMSNorm, rotary,
+gated activation, the K/V cache write) in one pass each for the steps that run eagerly (the gated activation in
+compiled graphs too). Two kernels are for CUDA, in Triton: decode and prompt attention over the paged pool
+(`triton_attention.py`, the contracts of `paged_decode_attention` and `paged_prefill_attention` below for plain pools,
+the prompt one for blocks of 16 keys or more, with soft-capping, and the most tokens a span holds given; imported by
+the attention layer where Triton is installed, not built by `load()`).
 
 Contract: `load()` compiles the sources next to this file with the machine's C++ compiler (torch's extension
 builder; the first time only, then cached under TORCH_EXTENSIONS_DIR, one build per CPU, Python and torch, since
@@ -14,7 +14,7 @@ the build targets the CPU that made it) and registers their ops under
 `torch.ops.liteinfer`, each with a fake implementation so that `torch.compile` traces through it. Where they cannot
 be built (no compiler), `load()` logs why and returns False, and callers keep the plain PyTorch path: the same
 arithmetic, which tests/unit/test_paged_attention_kernel.py, test_gemv_kernel.py, test_packed_linear_kernel.py,
-test_argmax_kernel.py and test_pointwise_kernels.py hold the ops to.
+test_argmax_kernel.py, test_sample_kernel.py and test_pointwise_kernels.py hold the ops to.
 `available()` only reports what `load()` did, so that a traced forward can ask without building anything.
 
 The ops that read or write the K/V pools index them [blocks, kv_heads, ...], each block's rows for one KV head (a run)
@@ -81,6 +81,11 @@ differ by those roundings.
 
 `argmax(logits [rows, vocab] fp32 or bf16)` -> [rows] int64: the first index of each row's largest value, as
 `torch.argmax` gives it, except that NaN is skipped rather than taken as the largest.
+`sample(logits [rows, vocab] fp32 or bf16, temperature [rows] fp32 (> 0), uniforms [rows] fp32 in [0, 1))` -> [rows]
+int64: each row's token by inverse CDF of softmax(logits / temperature) at its uniform, the first token whose running
+sum of weights e^((logit - max) / temperature) passes uniform times their total (weights under e^-87 taken as 0, so a
+-inf logit is never drawn; the last token of positive weight where rounding leaves the sum short; index 0 for a row
+of -inf only): `liteinfer.sampling.sampler.draw_rows`, whose PyTorch form is the reference.
 `head_screen(hidden [rows, in] fp32 or bf16, outlier_dims [D] int64 (D even), levels [tokens / 64, in / 4, 64, 4] int8,
 level_scales [tokens] fp32, level_offsets [tokens] int32, outlier_weights [tokens / 64, D / 2, 64, 2] bf16, vocab_terms
 [2, vocab] fp32, block_terms [2, blocks of 64 in vocab] fp32, logits [rows or more, tokens] fp32 (a workspace, 64-byte
@@ -187,7 +192,8 @@ def packed_linear_available(dtype: torch.dtype) -> bool:
             and torch.ops.liteinfer.packed_linear_takes(dtype))
 
 
-SOURCES = ("paged_attention.cpp", "gemv.cpp", "packed_linear.cpp", "argmax.cpp", "greedy_head.cpp", "pointwise.cpp")
+SOURCES = ("paged_attention.cpp", "gemv.cpp", "packed_linear.cpp", "argmax.cpp", "greedy_head.cpp", "pointwise.cpp",
+           "sample.cpp")
 
 
 def source_files() -> list[Path]:

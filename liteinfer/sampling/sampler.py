@@ -75,8 +75,8 @@ class Sampler:
         if logprob_rows:
             raw_logprobs = _take_rows(logits, logprob_rows).log_softmax(-1, dtype=torch.float32)
 
-        # Greedy rows without penalties take the argmax of the raw logits, with no copy. Rows that a stage edits
-        # (penalties, temperature, truncation) get a float copy of their own.
+        # Greedy rows without penalties take the argmax of the raw logits, with no copy. Rows that a stage edits in
+        # place (min_tokens, penalties, truncation) get a float copy of their own; temperature alone needs none.
         edited = [i for i, p in enumerate(params) if not _plain_greedy(p)]
         plain = [i for i, p in enumerate(params) if _plain_greedy(p)]
         if not edited:
@@ -85,9 +85,8 @@ class Sampler:
             tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
             if plain:
                 tokens[plain] = argmax_rows(_take_rows(logits, plain))
-            tokens[edited] = self._edited_tokens(
-                _take_rows(logits, edited).to(torch.float32, copy=len(edited) == len(rows)), [rows[i] for i in edited]
-            )
+            tokens[edited] = self._edited_tokens(_take_rows(logits, edited), [rows[i] for i in edited],
+                                                 owned=len(edited) < len(rows))
         token_ids = tokens.tolist()
         # Below min_tokens, a raw argmax stands unless it is a token the row may not sample yet (then a row masked
         # as `_edited_tokens` masks it decides): the masked argmax is the same token in every other case.
@@ -127,13 +126,16 @@ class Sampler:
                 token_ids[i] = token
         return SamplerOutput(token_ids, [None] * len(rows), [None] * len(rows))
 
-    def _edited_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Tokens of rows with penalties or sampling, from their float logits (edited in place)."""
+    def _edited_tokens(self, logits: torch.Tensor, rows: list[SamplingRow], owned: bool) -> torch.Tensor:
+        """Tokens of rows with penalties or sampling. `owned`: `logits` is a copy, which the stages may edit in place;
+        otherwise it is the caller's, copied before any such edit."""
         blocked = [(i, token) for i, row in enumerate(rows) if row.below_min_tokens for token in self._stop_ids(row)]
+        penalised = [i for i, row in enumerate(rows) if _uses_penalty(row.params)]
+        if blocked or penalised:
+            logits, owned = logits.to(torch.float32, copy=not owned), True
         if blocked:
             row_idx, token_idx = zip(*blocked, strict=True)
             logits[list(row_idx), list(token_idx)] = -float("inf")
-        penalised = [i for i, row in enumerate(rows) if _uses_penalty(row.params)]
         if penalised:
             penalised_rows = [rows[i] for i in penalised]
             logits = _update_rows(logits, penalised, lambda x: apply_penalties(x, penalised_rows))
@@ -144,7 +146,8 @@ class Sampler:
             tokens[greedy] = argmax_rows(_take_rows(logits, greedy))
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if sampled:
-            tokens[sampled] = _sample(_take_rows(logits, sampled), [rows[i] for i in sampled])
+            tokens[sampled] = _sample(_take_rows(logits, sampled), [rows[i] for i in sampled],
+                                      owned=owned or len(sampled) < len(rows))
         return tokens
 
     def _stop_ids(self, row: SamplingRow) -> list[int]:
@@ -228,48 +231,60 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(logits < cutoff, -float("inf"))
 
 
-def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Samples one token per row after temperature, min_p and top_k/top_p."""
+def _sample(logits: torch.Tensor, rows: list[SamplingRow], owned: bool) -> torch.Tensor:
+    """Samples one token per row after temperature, min_p and top_k/top_p (`owned`: as for `_edited_tokens`)."""
     device, vocab = logits.device, logits.shape[1]
     params = [row.params for row in rows]
     temperature = torch.tensor([p.temperature for p in params], device=device)
-    logits = logits / temperature[:, None]
-
     min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0]
+    # top_k only counts when it is below the vocab size; top_p then measures what top_k left.
+    top_k_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
+    top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1]
+    if min_p_rows or top_p_rows:  # they measure probabilities after temperature; the draw takes it otherwise
+        logits, owned = logits.float() / temperature[:, None], True
+        temperature = torch.ones_like(temperature)
+    elif top_k_rows and not owned:
+        logits = logits.to(torch.float32, copy=True)
+
     if min_p_rows:
         min_p = torch.tensor([params[i].min_p for i in min_p_rows], device=device)
         logits = _update_rows(logits, min_p_rows, lambda x: apply_min_p(x, min_p))
-
-    # top_k only counts when it is below the vocab size; top_p then measures what top_k left.
-    top_k_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
     if top_k_rows:
         top_k = torch.tensor([params[i].top_k for i in top_k_rows], device=device)
         logits = _update_rows(logits, top_k_rows, lambda x: apply_top_k(x, top_k))
-    top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1]
     if top_p_rows:
         top_p = torch.tensor([params[i].top_p for i in top_p_rows], device=device)
         logits = _update_rows(logits, top_p_rows, lambda x: apply_top_p(x, top_p))
-
-    # Exponential race: argmax(p / E) with E ~ Exp(1) is an exact sample from p, and lets each
-    # seeded row draw its noise from its own generator.
-    probs = logits.softmax(-1)
-    return argmax_rows(probs.div_(_exponential_noise(probs, rows)))
+    return draw_rows(logits, temperature, _uniforms(rows, device))
 
 
-def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Exp(1) noise shaped like probs: one global-RNG draw for unseeded rows, a row per seeded one."""
-    noise = torch.empty_like(probs)
-    unseeded = [i for i, row in enumerate(rows) if row.generator is None]
-    if len(unseeded) == len(rows):
-        noise.uniform_()
-    elif unseeded:
-        noise[unseeded] = torch.rand(len(unseeded), probs.shape[1], device=probs.device)
+def draw_rows(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row's token from softmax(logits / temperature), by inverse CDF at the row's uniform in [0, 1): the first
+    token whose cumulative probability passes it (an exact sample for a uniform one; -inf logits are never drawn). On
+    CPU through our kernel (kernels/sample.cpp), which keeps no [rows, vocab] temporaries."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and kernels.available():
+        return torch.ops.liteinfer.sample(logits, temperature.float(), uniforms.float())
+    return inverse_cdf(logits, temperature, uniforms)
+
+
+def inverse_cdf(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """`draw_rows` in PyTorch ops (any device; the kernel's reference)."""
+    probs = (logits.float() / temperature[:, None]).softmax(-1)
+    cdf = probs.cumsum(-1)
+    tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    # Rounding can leave the target at the last cumulative value: then the last token of positive probability.
+    last_positive = probs.shape[1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
+    return torch.minimum(tokens, last_positive)
+
+
+def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+    """One uniform in [0, 1) per row: from the global RNG for unseeded rows, each seeded row's from its generator, so
+    that its tokens do not depend on the rest of the batch."""
+    uniforms = torch.rand(len(rows), device=device)
     for i, row in enumerate(rows):
         if row.generator is not None:
-            noise[i].uniform_(generator=row.generator)
-    # -log(U) is Exp(1); on CPU it is several times faster than exponential_. U < 1, so the noise is
-    # never 0 and p / noise never NaN; U = 0 gives inf, which only rules out one token.
-    return noise.log_().neg_()
+            uniforms[i] = torch.rand(1, generator=row.generator, device=device)[0]
+    return uniforms
 
 
 def _gather_logprobs(

@@ -1,0 +1,149 @@
+// Each row's token drawn from softmax(logits / temperature) at a given uniform u: the first token whose running sum
+// of weights e^((l - max) / T) passes u times the row's total (inverse CDF). Registered (CPU) as
+// torch.ops.liteinfer.sample; liteinfer/kernels/__init__.py builds it and gives its contract.
+//
+// The sampler drew tokens as argmax(p / E) over the whole vocabulary, E exponential noise: a [rows, vocab] float
+// copy, a temperature division, a softmax, a uniform and a log per token, each a fresh 50 MB tensor at 256 rows of
+// SmolLM2's vocabulary (~166 ms a step on an AMD Zen 4). Here one uniform a row, the weights in a row-sized buffer
+// (in L2), bf16 logits read as they are (docs/benchmarks.md).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "exp16.h"
+
+namespace {
+
+// e^x below this is taken as 0: a token 87 nats under the row's best (after temperature) weighs under 1e-38 of it,
+// and -inf logits (masked tokens) fall below it too, so they are never drawn.
+constexpr float kLowest = -87.f;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // the bf16 tail's masked load: BW+VL
+inline __m512 load16(const float* x, __mmask16 mask) {
+  return _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), mask, x);
+}
+inline __m512 load16(const c10::BFloat16* x, __mmask16 mask) {  // bf16 is the top half of an fp32
+  const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, x)), 16));
+  return _mm512_mask_blend_ps(mask, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), v);
+}
+
+// The largest of a row's n values.
+template <typename scalar_t>
+float row_max(const scalar_t* x, int64_t n) {
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    top = _mm512_max_ps(top, load16(x + i, mask));
+  }
+  return _mm512_reduce_max_ps(top);
+}
+
+// weights[i] = e^((x[i] - max) * inv_t), 0 below kLowest, for a row's n values (n rounded up to 16, the tail 0),
+// and each 16's sum into `sums`.
+template <typename scalar_t>
+void row_weights(const scalar_t* x, int64_t n, float max, float inv_t, float* weights, float* sums) {
+  const __m512 shift = _mm512_set1_ps(max), scale = _mm512_set1_ps(inv_t), lowest = _mm512_set1_ps(kLowest);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 t = _mm512_mul_ps(_mm512_sub_ps(load16(x + i, mask), shift), scale);
+    // NaN and -inf compare false: weight 0 (an intrinsic compare, which -ffast-math does not fold).
+    const __m512 w = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(t, lowest, _CMP_GE_OQ), liteinfer::exp16(_mm512_max_ps(t, lowest)));
+    _mm512_storeu_ps(weights + i, w);
+    sums[i / 16] = _mm512_reduce_add_ps(w);
+  }
+}
+#else
+template <typename scalar_t>
+float row_max(const scalar_t* x, int64_t n) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) top = std::max(top, static_cast<float>(x[i]));
+  return top;
+}
+
+template <typename scalar_t>
+void row_weights(const scalar_t* x, int64_t n, float max, float inv_t, float* weights, float* sums) {
+  for (int64_t i = 0; i < n; i += 16) {
+    float sum = 0.f;
+    for (int64_t j = i; j < i + 16; ++j) {
+      const float t = j < n ? (static_cast<float>(x[j]) - max) * inv_t : kLowest - 1.f;
+      // std::isnan and comparisons with infinities may be folded away under -ffast-math: test the bits' range.
+      weights[j] = t >= kLowest && t <= 0.f ? std::exp(t) : 0.f;
+      sum += weights[j];
+    }
+    sums[i / 16] = sum;
+  }
+}
+#endif
+
+// The first token whose running sum of weights passes u times their total; the last token of positive weight when
+// rounding leaves the running sum short of it. Sums in double, the 16s' sums first, so that the total is the
+// running sum's end exactly.
+int64_t draw(const float* weights, const float* sums, int64_t n, float u) {
+  const int64_t chunks = (n + 15) / 16;
+  double total = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) total += sums[c];
+  const double target = static_cast<double>(u) * total;
+  double running = 0.0;
+  int64_t last_positive = -1;
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (sums[c] > 0.f) last_positive = c;
+    if (running + sums[c] <= target) {
+      running += sums[c];
+      continue;
+    }
+    for (int64_t i = c * 16; i < std::min(n, c * 16 + 16); ++i) {
+      running += weights[i];
+      if (weights[i] > 0.f && running > target) return i;
+    }
+    break;  // rounding: the 16's weights one by one fell short of their sum
+  }
+  for (int64_t i = std::min(n, last_positive * 16 + 16) - 1; i >= 0; --i)
+    if (weights[i] > 0.f) return i;
+  return 0;  // no token of positive weight (every logit -inf)
+}
+
+at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& uniforms) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "expected logits [rows, vocab] with vocab > 0");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
+              "sample takes fp32 or bf16 logits");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(temperature.scalar_type() == at::kFloat && temperature.numel() == rows &&
+                  uniforms.scalar_type() == at::kFloat && uniforms.numel() == rows,
+              "expected an fp32 temperature and an fp32 uniform per row");
+  const at::Tensor x = logits.contiguous(), t = temperature.contiguous(), u = uniforms.contiguous();
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* out_data = out.data_ptr<int64_t>();
+  const float* t_data = t.data_ptr<float>();
+  const float* u_data = u.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(t_data[r] > 0.f, "a row's temperature must be positive");
+  auto run = [&](auto type) {
+    using scalar_t = decltype(type);
+    const scalar_t* data = x.data_ptr<scalar_t>();
+    // A row is tens of microseconds: threads pay off over a few.
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      std::vector<float> weights((n + 15) / 16 * 16), sums((n + 15) / 16);
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* row = data + r * n;
+        row_weights(row, n, row_max(row, n), 1.f / t_data[r], weights.data(), sums.data());
+        out_data[r] = draw(weights.data(), sums.data(), n, u_data[r]);
+      }
+    });
+  };
+  x.scalar_type() == at::kFloat ? run(float{}) : run(c10::BFloat16{});
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(liteinfer, m) {
+  m.def("sample(Tensor logits, Tensor temperature, Tensor uniforms) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(liteinfer, CPU, m) {
+  m.impl("sample", &sample);
+}
