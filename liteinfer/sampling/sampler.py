@@ -237,39 +237,42 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow], owned: bool) -> torch
     params = [row.params for row in rows]
     temperature = torch.tensor([p.temperature for p in params], device=device)
     min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0]
-    # top_k only counts when it is below the vocab size; top_p then measures what top_k left.
+    # top_k only counts when it is below the vocab size; top_p (the draw's) then measures what top_k left.
     top_k_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
-    top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1]
-    if min_p_rows or top_p_rows:  # they measure probabilities after temperature; the draw takes it otherwise
+    if min_p_rows:  # it measures probabilities after temperature; the draw takes temperature otherwise
         logits, owned = logits.float() / temperature[:, None], True
         temperature = torch.ones_like(temperature)
-    elif top_k_rows and not owned:
-        logits = logits.to(torch.float32, copy=True)
-
-    if min_p_rows:
         min_p = torch.tensor([params[i].min_p for i in min_p_rows], device=device)
         logits = _update_rows(logits, min_p_rows, lambda x: apply_min_p(x, min_p))
     if top_k_rows:
+        if not owned:
+            logits = logits.to(torch.float32, copy=True)
         top_k = torch.tensor([params[i].top_k for i in top_k_rows], device=device)
         logits = _update_rows(logits, top_k_rows, lambda x: apply_top_k(x, top_k))
-    if top_p_rows:
-        top_p = torch.tensor([params[i].top_p for i in top_p_rows], device=device)
-        logits = _update_rows(logits, top_p_rows, lambda x: apply_top_p(x, top_p))
-    return draw_rows(logits, temperature, _uniforms(rows, device))
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    return draw_rows(logits, temperature, top_p, _uniforms(rows, device))
 
 
-def draw_rows(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Each row's token from softmax(logits / temperature), by inverse CDF at the row's uniform in [0, 1): the first
-    token whose cumulative probability passes it (an exact sample for a uniform one; -inf logits are never drawn). On
-    CPU through our kernel (kernels/sample.cpp), which keeps no [rows, vocab] temporaries."""
+def draw_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+              uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row's token from softmax(logits / temperature) within its nucleus, by inverse CDF at the row's uniform in
+    [0, 1): the first token whose cumulative probability, renormalised over the nucleus, passes it (an exact sample
+    for a uniform one; -inf logits are never drawn). The nucleus: the row's smallest set of most likely tokens whose
+    probability reaches its top_p, ties with the last one kept included (`apply_top_p`; every token at 1). On CPU
+    through our kernel (kernels/sample.cpp), which keeps no [rows, vocab] temporaries and sorts no row."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and kernels.available():
-        return torch.ops.liteinfer.sample(logits, temperature.float(), uniforms.float())
-    return inverse_cdf(logits, temperature, uniforms)
+        return torch.ops.liteinfer.sample(logits, temperature.float(), top_p.float(), uniforms.float())
+    return inverse_cdf(logits, temperature, top_p, uniforms)
 
 
-def inverse_cdf(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                uniforms: torch.Tensor) -> torch.Tensor:
     """`draw_rows` in PyTorch ops (any device; the kernel's reference)."""
-    probs = (logits.float() / temperature[:, None]).softmax(-1)
+    scaled = logits.float() / temperature[:, None]
+    nucleus_rows = (top_p < 1).nonzero().flatten().tolist()
+    if nucleus_rows:
+        scaled = _update_rows(scaled, nucleus_rows, lambda x: apply_top_p(x, top_p[nucleus_rows]))
+    probs = scaled.softmax(-1)
     cdf = probs.cumsum(-1)
     tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
     # Rounding can leave the target at the last cumulative value: then the last token of positive probability.
