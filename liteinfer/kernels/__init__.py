@@ -81,13 +81,15 @@ differ by those roundings.
 
 `argmax(logits [rows, vocab] fp32 or bf16)` -> [rows] int64: the first index of each row's largest value, as
 `torch.argmax` gives it, except that NaN is skipped rather than taken as the largest.
-`sample(logits [rows, vocab] fp32 or bf16, temperature [rows] fp32 (> 0), top_p [rows] fp32 in (0, 1], uniforms
-[rows] fp32 in [0, 1))` -> [rows] int64: each row's token by inverse CDF of softmax(logits / temperature) within its
-nucleus at its uniform. The weights e^((logit - max) / temperature) (under e^-87 taken as 0, so a -inf logit is never
-drawn); where top_p < 1, those outside the nucleus zeroed (its smallest set of largest weights whose sum reaches top_p
-times the total, ties with the last kept included); then the first token whose running sum passes uniform times
-their total (the last token of positive weight where rounding leaves the sum short; index 0 for a row of -inf only):
-`liteinfer.sampling.sampler.draw_rows`, whose PyTorch form (`inverse_cdf`, with `apply_top_p`) is the reference.
+`sample(logits [rows, vocab] fp32 or bf16, temperature [rows] fp32 (> 0), min_p [rows] fp32 in [0, 1], top_k [rows]
+int64 (0 or the vocabulary's size or more: off), top_p [rows] fp32 in (0, 1], uniforms [rows] fp32 in [0, 1))` ->
+[rows] int64: each row's token by inverse CDF of softmax(logits / temperature), truncated, at its uniform. The weights
+e^((logit - max) / temperature) (under e^-87 taken as 0, so a -inf logit is never drawn); those under min_p zeroed,
+then all but the top_k largest, then those outside the nucleus of what is left (its smallest set of largest weights
+whose sum reaches top_p times their total), each keeping the ties of its last kept weight; then the first token
+whose running sum passes uniform times their total (the last token of positive weight where rounding leaves the sum
+short; index 0 for a row of -inf only): `liteinfer.sampling.sampler.draw_rows`, whose PyTorch form (`inverse_cdf`,
+with `apply_min_p`, `apply_top_k`, `apply_top_p`) is the reference.
 `head_screen(hidden [rows, in] fp32 or bf16, outlier_dims [D] int64 (D even), levels [tokens / 64, in / 4, 64, 4] int8,
 level_scales [tokens] fp32, level_offsets [tokens] int32, outlier_weights [tokens / 64, D / 2, 64, 2] bf16, vocab_terms
 [2, vocab] fp32, block_terms [2, blocks of 64 in vocab] fp32, logits [rows or more, tokens] fp32 (a workspace, 64-byte

@@ -1,11 +1,12 @@
-// Each row's token drawn from softmax(logits / temperature) within its top-p nucleus at a given uniform u: the first
-// token whose running sum of weights e^((l - max) / T) passes u times the row's total (inverse CDF). Registered (CPU)
-// as torch.ops.liteinfer.sample; liteinfer/kernels/__init__.py builds it and gives its contract.
+// Each row's token drawn from softmax(logits / temperature), truncated by min_p, top_k and top_p, at a uniform u:
+// the first token whose running sum of weights e^((l - max) / T) passes u times the row's total (inverse CDF).
+// Registered (CPU) as torch.ops.liteinfer.sample; liteinfer/kernels/__init__.py builds it and gives its contract.
 //
 // The sampler drew tokens as argmax(p / E) over the whole vocabulary, E exponential noise: a [rows, vocab] float
 // copy, a temperature division, a softmax, a uniform and a log per token, each a fresh 50 MB tensor at 256 rows of
-// SmolLM2's vocabulary (~134 ms a step on an AMD Zen 4), and top-p sorted every row whose nucleus was large. Here one
-// uniform a row, the weights in a row-sized buffer (in L2), bf16 logits read as they are (docs/benchmarks.md).
+// SmolLM2's vocabulary (~134 ms a step on an AMD Zen 4), and min-p, top-k and top-p edited a float copy, top-p
+// sorting every row whose nucleus was large. Here one uniform a row, the weights in a row-sized buffer (in L2), bf16
+// logits read as they are, the truncations' cutoffs found without sorting a row (docs/benchmarks.md).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -55,7 +56,8 @@ void row_weights(const scalar_t* x, int64_t n, float max, float inv_t, float* we
     const __mmask16 mask = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
     const __m512 t = _mm512_mul_ps(_mm512_sub_ps(load16(x + i, mask), shift), scale);
     // NaN and -inf compare false: weight 0 (an intrinsic compare, which -ffast-math does not fold).
-    const __m512 w = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(t, lowest, _CMP_GE_OQ), liteinfer::exp16(_mm512_max_ps(t, lowest)));
+    const __m512 w = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(t, lowest, _CMP_GE_OQ),
+                                         liteinfer::exp16(_mm512_max_ps(t, lowest)));
     _mm512_storeu_ps(weights + i, w);
     sums[i / 16] = _mm512_reduce_add_ps(w);
   }
@@ -110,65 +112,84 @@ int64_t draw(const float* weights, const float* sums, int64_t n, float u) {
   return 0;  // no token of positive weight (every logit -inf)
 }
 
-// Top-p: zeroes the weights outside the row's nucleus, its smallest set of largest weights whose sum reaches p times
-// the total (ties with the last one kept stay), and redoes the 16s' sums. The cutoff without sorting the row: the
-// weights' mass by the top 12 bits of their floats (positive floats order as their bits), the bucket where the mass
-// from the top reaches the target, then that bucket's weights alone sorted. `buckets` has room for 4,096.
-void keep_nucleus(float* weights, float* sums, int64_t n, float p, std::vector<double>& buckets,
-                  std::vector<float>& bucket_weights) {
-  const int64_t chunks = (n + 15) / 16;
-  double total = 0.0;
-  for (int64_t c = 0; c < chunks; ++c) total += sums[c];
-  const double target = static_cast<double>(p) * total;
-  if (target <= 0.0) return;  // no token of positive weight
+// The largest cutoff c such that the weights >= c hold `target` of a measure, their mass or (kCount) their number,
+// without sorting the row: the measure by the top 12 bits of the weights' floats (positive floats order as their
+// bits), the bucket where it reaches the target from the top, then that bucket's weights alone sorted. 0 where every
+// positive weight together falls short. `buckets` has room for 4,096.
+template <bool kCount>
+float cutoff_reaching(const float* weights, int64_t n, double target, std::vector<double>& buckets,
+                      std::vector<float>& bucket_weights) {
   auto bucket_of = [](float w) { return std::bit_cast<uint32_t>(w) >> 20; };
   std::fill(buckets.begin(), buckets.end(), 0.0);
-  for (int64_t i = 0; i < n; ++i) buckets[bucket_of(weights[i])] += weights[i];
-  double above = 0.0;  // the mass of the buckets above the one being looked at
+  for (int64_t i = 0; i < n; ++i) buckets[bucket_of(weights[i])] += kCount ? (weights[i] > 0.f) : weights[i];
+  double above = 0.0;  // the measure of the buckets above the one being looked at
   int64_t b = static_cast<int64_t>(buckets.size()) - 1;
   for (; b > 0 && above + buckets[b] < target; --b) above += buckets[b];
-  if (b == 0) return;  // rounding left p times the total past every positive weight's mass: keep them all
+  if (b == 0) return 0.f;  // bucket 0 holds the zeros
   bucket_weights.clear();
   for (int64_t i = 0; i < n; ++i)
     if (bucket_of(weights[i]) == static_cast<uint32_t>(b)) bucket_weights.push_back(weights[i]);
   std::sort(bucket_weights.begin(), bucket_weights.end(), std::greater<float>());
-  float cutoff = bucket_weights.back();
   for (const float w : bucket_weights) {
-    above += w;
-    if (above >= target) {
-      cutoff = w;
-      break;
-    }
+    above += kCount ? 1.0 : w;
+    if (above >= target) return w;
   }
-  for (int64_t c = 0; c < chunks; ++c) {
+  return bucket_weights.back();  // rounding: the bucket's weights one by one fell short of its sum
+}
+
+// Zeroes the weights below `cutoff` and redoes the 16s' sums; returns their total.
+double keep_from(float cutoff, float* weights, float* sums, int64_t n) {
+  double total = 0.0;
+  for (int64_t c = 0; c < (n + 15) / 16; ++c) {
     float sum = 0.f;
     for (int64_t i = c * 16; i < c * 16 + 16; ++i) {
       if (weights[i] < cutoff) weights[i] = 0.f;
       sum += weights[i];
     }
     sums[c] = sum;
+    total += sum;
   }
+  return total;
 }
 
-at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_p,
-                  const at::Tensor& uniforms) {
+// min_p, top_k and top_p over a row's weights (relative to its largest, 1): min_p keeps the weights of at least
+// min_p, top_k the k largest, top_p then the nucleus of what they left, its smallest set of largest weights whose sum
+// reaches top_p times their total. Each keeps the ties of its last kept weight.
+void truncate(float* weights, float* sums, int64_t n, float min_p, int64_t top_k, float top_p,
+              std::vector<double>& buckets, std::vector<float>& bucket_weights) {
+  float cutoff = min_p;
+  if (top_k > 0 && top_k < n)
+    cutoff = std::max(cutoff, cutoff_reaching<true>(weights, n, static_cast<double>(top_k), buckets, bucket_weights));
+  const double total = keep_from(cutoff, weights, sums, n);
+  if (top_p < 1.f && total > 0.0)
+    keep_from(cutoff_reaching<false>(weights, n, top_p * total, buckets, bucket_weights), weights, sums, n);
+}
+
+at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& min_p,
+                  const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& uniforms) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "expected logits [rows, vocab] with vocab > 0");
   TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
               "sample takes fp32 or bf16 logits");
   const int64_t rows = logits.size(0), n = logits.size(1);
-  for (const at::Tensor* per_row : {&temperature, &top_p, &uniforms})
+  for (const at::Tensor* per_row : {&temperature, &min_p, &top_p, &uniforms})
     TORCH_CHECK(per_row->scalar_type() == at::kFloat && per_row->numel() == rows,
-                "expected an fp32 temperature, top_p and uniform per row");
-  const at::Tensor x = logits.contiguous(), t = temperature.contiguous(), p = top_p.contiguous(),
-                   u = uniforms.contiguous();
+                "expected an fp32 temperature, min_p, top_p and uniform and an int64 top_k per row");
+  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.numel() == rows,
+              "expected an fp32 temperature, min_p, top_p and uniform and an int64 top_k per row");
+  const at::Tensor x = logits.contiguous(), t = temperature.contiguous(), m = min_p.contiguous(),
+                   k = top_k.contiguous(), p = top_p.contiguous(), u = uniforms.contiguous();
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   int64_t* out_data = out.data_ptr<int64_t>();
   const float* t_data = t.data_ptr<float>();
+  const float* m_data = m.data_ptr<float>();
+  const int64_t* k_data = k.data_ptr<int64_t>();
   const float* p_data = p.data_ptr<float>();
   const float* u_data = u.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(t_data[r] > 0.f, "a row's temperature must be positive");
     TORCH_CHECK(p_data[r] > 0.f && p_data[r] <= 1.f, "a row's top_p must be in (0, 1]");
+    TORCH_CHECK(m_data[r] >= 0.f && m_data[r] <= 1.f && k_data[r] >= 0, "a row's min_p must be in [0, 1] and its "
+                "top_k at least 0 (0: off)");
   }
   auto run = [&](auto type) {
     using scalar_t = decltype(type);
@@ -180,7 +201,8 @@ at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* row = data + r * n;
         row_weights(row, n, row_max(row, n), 1.f / t_data[r], weights.data(), sums.data());
-        if (p_data[r] < 1.f) keep_nucleus(weights.data(), sums.data(), n, p_data[r], buckets, bucket_weights);
+        if (m_data[r] > 0.f || (k_data[r] > 0 && k_data[r] < n) || p_data[r] < 1.f)
+          truncate(weights.data(), sums.data(), n, m_data[r], k_data[r], p_data[r], buckets, bucket_weights);
         out_data[r] = draw(weights.data(), sums.data(), n, u_data[r]);
       }
     });
@@ -192,7 +214,8 @@ at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(liteinfer, m) {
-  m.def("sample(Tensor logits, Tensor temperature, Tensor top_p, Tensor uniforms) -> Tensor");
+  m.def("sample(Tensor logits, Tensor temperature, Tensor min_p, Tensor top_k, Tensor top_p, Tensor uniforms) -> "
+        "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(liteinfer, CPU, m) {

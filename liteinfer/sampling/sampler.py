@@ -76,7 +76,7 @@ class Sampler:
             raw_logprobs = _take_rows(logits, logprob_rows).log_softmax(-1, dtype=torch.float32)
 
         # Greedy rows without penalties take the argmax of the raw logits, with no copy. Rows that a stage edits in
-        # place (min_tokens, penalties, truncation) get a float copy of their own; temperature alone needs none.
+        # place (min_tokens, penalties) get a float copy of their own; sampling's stages are the draw's, uncopied.
         edited = [i for i, p in enumerate(params) if not _plain_greedy(p)]
         plain = [i for i, p in enumerate(params) if _plain_greedy(p)]
         if not edited:
@@ -127,12 +127,12 @@ class Sampler:
         return SamplerOutput(token_ids, [None] * len(rows), [None] * len(rows))
 
     def _edited_tokens(self, logits: torch.Tensor, rows: list[SamplingRow], owned: bool) -> torch.Tensor:
-        """Tokens of rows with penalties or sampling. `owned`: `logits` is a copy, which the stages may edit in place;
-        otherwise it is the caller's, copied before any such edit."""
+        """Tokens of rows with penalties or sampling. `owned`: `logits` is a copy, which min_tokens and the penalties
+        may edit in place; otherwise it is the caller's, copied before they do."""
         blocked = [(i, token) for i, row in enumerate(rows) if row.below_min_tokens for token in self._stop_ids(row)]
         penalised = [i for i, row in enumerate(rows) if _uses_penalty(row.params)]
         if blocked or penalised:
-            logits, owned = logits.to(torch.float32, copy=not owned), True
+            logits = logits.to(torch.float32, copy=not owned)
         if blocked:
             row_idx, token_idx = zip(*blocked, strict=True)
             logits[list(row_idx), list(token_idx)] = -float("inf")
@@ -146,8 +146,7 @@ class Sampler:
             tokens[greedy] = argmax_rows(_take_rows(logits, greedy))
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if sampled:
-            tokens[sampled] = _sample(_take_rows(logits, sampled), [rows[i] for i in sampled],
-                                      owned=owned or len(sampled) < len(rows))
+            tokens[sampled] = _sample(_take_rows(logits, sampled), [rows[i] for i in sampled])
         return tokens
 
     def _stop_ids(self, row: SamplingRow) -> list[int]:
@@ -231,47 +230,43 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(logits < cutoff, -float("inf"))
 
 
-def _sample(logits: torch.Tensor, rows: list[SamplingRow], owned: bool) -> torch.Tensor:
-    """Samples one token per row after temperature, min_p and top_k/top_p (`owned`: as for `_edited_tokens`)."""
-    device, vocab = logits.device, logits.shape[1]
-    params = [row.params for row in rows]
-    temperature = torch.tensor([p.temperature for p in params], device=device)
-    min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0]
-    # top_k only counts when it is below the vocab size; top_p (the draw's) then measures what top_k left.
-    top_k_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
-    if min_p_rows:  # it measures probabilities after temperature; the draw takes temperature otherwise
-        logits, owned = logits.float() / temperature[:, None], True
-        temperature = torch.ones_like(temperature)
-        min_p = torch.tensor([params[i].min_p for i in min_p_rows], device=device)
-        logits = _update_rows(logits, min_p_rows, lambda x: apply_min_p(x, min_p))
-    if top_k_rows:
-        if not owned:
-            logits = logits.to(torch.float32, copy=True)
-        top_k = torch.tensor([params[i].top_k for i in top_k_rows], device=device)
-        logits = _update_rows(logits, top_k_rows, lambda x: apply_top_k(x, top_k))
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    return draw_rows(logits, temperature, top_p, _uniforms(rows, device))
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Samples one token per row after temperature, min_p and top_k/top_p; `logits` is left untouched."""
+    device, params = logits.device, [row.params for row in rows]
+    # top_k only counts when it is below the vocab size; 0 is off.
+    top_k = [p.top_k if 0 < p.top_k < logits.shape[1] else 0 for p in params]
+    return draw_rows(logits, *(torch.tensor(values, device=device) for values in (
+        [p.temperature for p in params], [p.min_p for p in params], top_k, [p.top_p for p in params])),
+        _uniforms(rows, device))
 
 
-def draw_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-              uniforms: torch.Tensor) -> torch.Tensor:
-    """Each row's token from softmax(logits / temperature) within its nucleus, by inverse CDF at the row's uniform in
-    [0, 1): the first token whose cumulative probability, renormalised over the nucleus, passes it (an exact sample
-    for a uniform one; -inf logits are never drawn). The nucleus: the row's smallest set of most likely tokens whose
-    probability reaches its top_p, ties with the last one kept included (`apply_top_p`; every token at 1). On CPU
-    through our kernel (kernels/sample.cpp), which keeps no [rows, vocab] temporaries and sorts no row."""
+def draw_rows(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
+              top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row's token from softmax(logits / temperature) truncated, by inverse CDF at the row's uniform in [0, 1):
+    the first token whose cumulative probability, renormalised over the tokens kept, passes it (an exact sample for a
+    uniform one; -inf logits are never drawn). Kept, as `apply_min_p`, `apply_top_k` and `apply_top_p` keep them in
+    that order: the tokens of at least min_p times the top token's probability, the top_k most likely (0: all), then
+    the nucleus of what is left, its smallest set of most likely tokens whose probability reaches top_p; each with the
+    ties of its last kept token. On CPU through our kernel (kernels/sample.cpp), which keeps no [rows, vocab]
+    temporaries and sorts no row."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and kernels.available():
-        return torch.ops.liteinfer.sample(logits, temperature.float(), top_p.float(), uniforms.float())
-    return inverse_cdf(logits, temperature, top_p, uniforms)
+        return torch.ops.liteinfer.sample(logits, temperature.float(), min_p.float(), top_k.long(), top_p.float(),
+                                          uniforms.float())
+    return inverse_cdf(logits, temperature, min_p, top_k, top_p, uniforms)
 
 
-def inverse_cdf(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                uniforms: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """`draw_rows` in PyTorch ops (any device; the kernel's reference)."""
+
+    def truncated(x: torch.Tensor, keep: Callable, values: torch.Tensor, applies: torch.Tensor) -> torch.Tensor:
+        rows = applies.nonzero().flatten().tolist()
+        return _update_rows(x, rows, lambda r: keep(r, values[rows])) if rows else x
+
     scaled = logits.float() / temperature[:, None]
-    nucleus_rows = (top_p < 1).nonzero().flatten().tolist()
-    if nucleus_rows:
-        scaled = _update_rows(scaled, nucleus_rows, lambda x: apply_top_p(x, top_p[nucleus_rows]))
+    scaled = truncated(scaled, apply_min_p, min_p, min_p > 0)
+    scaled = truncated(scaled, apply_top_k, top_k, top_k > 0)
+    scaled = truncated(scaled, apply_top_p, top_p, top_p < 1)
     probs = scaled.softmax(-1)
     cdf = probs.cumsum(-1)
     tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
