@@ -232,12 +232,15 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Samples one token per row after temperature, min_p and top_k/top_p; `logits` is left untouched."""
-    device, params = logits.device, [row.params for row in rows]
+    params = [row.params for row in rows]
+
+    def per_row(values: list) -> torch.Tensor:
+        return torch.tensor(values, device=logits.device)
+
     # top_k only counts when it is below the vocab size; 0 is off.
-    top_k = [p.top_k if 0 < p.top_k < logits.shape[1] else 0 for p in params]
-    return draw_rows(logits, *(torch.tensor(values, device=device) for values in (
-        [p.temperature for p in params], [p.min_p for p in params], top_k, [p.top_p for p in params])),
-        _uniforms(rows, device))
+    top_k = per_row([p.top_k if 0 < p.top_k < logits.shape[1] else 0 for p in params])
+    return draw_rows(logits, per_row([p.temperature for p in params]), per_row([p.min_p for p in params]), top_k,
+                     per_row([p.top_p for p in params]), _uniforms(rows, logits.device))
 
 
 def draw_rows(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
