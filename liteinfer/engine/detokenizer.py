@@ -67,14 +67,9 @@ class IncrementalDetokenizer:
             return self._emit(len(self.text))
         return self._emit(len(self.text) - self._partial_stop_len())
 
-    @property
-    def committed_text(self) -> str:
-        """The text returned as deltas so far: no later token can change it, so it only ever grows (`text` may
-        still lose a tail that turns out to begin a stop string)."""
-        return self.committed_text_from(0)
-
     def committed_text_from(self, start: int) -> str:
-        """`committed_text[start:]`, without copying the characters before `start`."""
+        """The text returned as deltas so far, from character `start` on: no later token can change it, so it only
+        ever grows (`text` may still lose a tail that turns out to begin a stop string)."""
         return self.text[start : self.num_sent]
 
     def flush(self) -> str:
