@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "lanes16.h"
+
 namespace {
 
 // The portable form: first index of the largest value of x[0..n), NaN skipped (as the vector form skips it).
@@ -32,19 +34,7 @@ int64_t argmax_row_scalar(const scalar_t* x, int64_t n) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // the bf16 tail's masked load: BW+VL
-// Sixteen values as fp32; under a mask, -inf past it.
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const float* x, __mmask16 mask) {
-  return _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), mask, x);
-}
-inline __m512 widen(__m256i bf16_bits) {  // bf16 is the top half of an fp32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits), 16));
-}
-inline __m512 load16(const c10::BFloat16* x) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))); }
-inline __m512 load16(const c10::BFloat16* x, __mmask16 mask) {
-  return _mm512_mask_blend_ps(mask, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
-                              widen(_mm256_maskz_loadu_epi16(mask, x)));
-}
+using liteinfer::load_row16;
 
 // Each lane keeps the largest value it saw and where, replacing it only on a strictly larger one (so the first of
 // equals stays); then, of the lanes holding the overall largest value, the smallest index wins.
@@ -60,8 +50,8 @@ int64_t argmax_row(const scalar_t* x, int64_t n) {
     index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
   };
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) keep_larger(load16(x + i));
-  if (i < n) keep_larger(load16(x + i, static_cast<__mmask16>((1u << (n - i)) - 1)));
+  for (; i + 16 <= n; i += 16) keep_larger(load_row16(x + i));
+  if (i < n) keep_larger(load_row16(x + i, liteinfer::first_lanes(n - i)));
   // A lane that saw nothing above -inf keeps index 0: the answer when every value is -inf.
   const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
   return _mm512_mask_reduce_min_epi32(at_top, best_index);

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "exp16.h"
+#include "lanes16.h"
 
 namespace {
 
@@ -28,22 +29,14 @@ namespace {
 constexpr float kLowest = -87.f;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // the bf16 tail's masked load: BW+VL
-inline __m512 load16(const float* x, __mmask16 mask) {
-  return _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), mask, x);
-}
-inline __m512 load16(const c10::BFloat16* x, __mmask16 mask) {  // bf16 is the top half of an fp32
-  const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, x)), 16));
-  return _mm512_mask_blend_ps(mask, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), v);
-}
+using liteinfer::first_lanes;
+using liteinfer::load_row16;
 
 // The largest of a row's n values.
 template <typename scalar_t>
 float row_max(const scalar_t* x, int64_t n) {
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 mask = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
-    top = _mm512_max_ps(top, load16(x + i, mask));
-  }
+  for (int64_t i = 0; i < n; i += 16) top = _mm512_max_ps(top, load_row16(x + i, first_lanes(n - i)));
   return _mm512_reduce_max_ps(top);
 }
 
@@ -53,8 +46,7 @@ template <typename scalar_t>
 void row_weights(const scalar_t* x, int64_t n, float max, float inv_t, float* weights, float* sums) {
   const __m512 shift = _mm512_set1_ps(max), scale = _mm512_set1_ps(inv_t), lowest = _mm512_set1_ps(kLowest);
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 mask = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 t = _mm512_mul_ps(_mm512_sub_ps(load16(x + i, mask), shift), scale);
+    const __m512 t = _mm512_mul_ps(_mm512_sub_ps(load_row16(x + i, first_lanes(n - i)), shift), scale);
     // NaN and -inf compare false: weight 0 (an intrinsic compare, which -ffast-math does not fold).
     const __m512 w = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(t, lowest, _CMP_GE_OQ),
                                          liteinfer::exp16(_mm512_max_ps(t, lowest)));
@@ -171,11 +163,9 @@ at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const
   TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
               "sample takes fp32 or bf16 logits");
   const int64_t rows = logits.size(0), n = logits.size(1);
-  for (const at::Tensor* per_row : {&temperature, &min_p, &top_p, &uniforms})
-    TORCH_CHECK(per_row->scalar_type() == at::kFloat && per_row->numel() == rows,
+  for (const at::Tensor* per_row : {&temperature, &min_p, &top_k, &top_p, &uniforms})
+    TORCH_CHECK(per_row->scalar_type() == (per_row == &top_k ? at::kLong : at::kFloat) && per_row->numel() == rows,
                 "expected an fp32 temperature, min_p, top_p and uniform and an int64 top_k per row");
-  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.numel() == rows,
-              "expected an fp32 temperature, min_p, top_p and uniform and an int64 top_k per row");
   const at::Tensor x = logits.contiguous(), t = temperature.contiguous(), m = min_p.contiguous(),
                    k = top_k.contiguous(), p = top_p.contiguous(), u = uniforms.contiguous();
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
