@@ -163,11 +163,6 @@ def prefill_available() -> bool:
     return available() and hasattr(torch.ops.liteinfer, "paged_prefill_attention")
 
 
-def prefill_in_amx_tiles(dtype: torch.dtype) -> bool:
-    """Whether prompt attention in `dtype` runs in AMX tiles here: bf16 on CPUs with AMX."""
-    return dtype == torch.bfloat16 and prefill_available() and torch.ops.liteinfer.packed_linear_amx()
-
-
 def int8_pools_available() -> bool:
     """Whether the attention ops read int8 pools (kv_cache_dtype="int8"): built for CPUs with AVX-512 VNNI."""
     return available() and _int8_pools

@@ -1,6 +1,6 @@
 // Attention over the paged KV cache, reading each key and value row where it lies in the pool, no gathered copy.
 // Decode: one pass over a sequence's keys, one over its values. Prompts (AVX-512 builds): queries 16 rows at a time
-// against keys 16 at a time (64 at a time in AMX tiles where the CPU has them), softmax online. Registered (CPU) as
+// against keys 64 at a time, softmax online (in AMX tiles where the CPU has them). Registered (CPU) as
 // torch.ops.liteinfer.paged_decode_attention and paged_prefill_attention; liteinfer/kernels/__init__.py builds them
 // and gives their contract.
 #include <ATen/ATen.h>
@@ -88,20 +88,21 @@ inline __m512i sum_lanes_16_epi32(const __m512i* v) {
 }
 #endif
 
-// pass(heads, g0) for a group's query heads g0.. in passes of up to kMax, `heads` an integral_constant: the passes
-// that keep each head's sums in registers take the count fixed at compile time. With a run-time count and a branch
-// per head the compiler kept the sums in memory, stored and reloaded around every multiply-add (the AVX2 decode
-// kernel ran ~1.4x slower; the AVX-512 one 10-20%, measured on AMD Zen 4).
-template <int64_t kHeads, typename Pass>
-inline void head_pass(int64_t heads, int64_t g0, const Pass& pass) {
-  if constexpr (kHeads > 1)
-    if (heads < kHeads) return head_pass<kHeads - 1>(heads, g0, pass);
-  pass(std::integral_constant<int64_t, kHeads>{}, g0);
+// pass(count, first) for items begin..end - 1 (a group's query heads; the prompt kernel's queries or panels) in
+// passes of up to kMax, `count` an integral_constant: the passes that keep each item's sums in registers take the
+// count fixed at compile time. With a run-time count and a branch per head the compiler kept the sums in memory,
+// stored and reloaded around every multiply-add (the AVX2 decode kernel ran ~1.4x slower; the AVX-512 one 10-20%,
+// measured on AMD Zen 4).
+template <int64_t kCount, typename Pass>
+inline void pass_of(int64_t count, int64_t first, const Pass& pass) {
+  if constexpr (kCount > 1)
+    if (count < kCount) return pass_of<kCount - 1>(count, first, pass);
+  pass(std::integral_constant<int64_t, kCount>{}, first);
 }
 
 template <int64_t kMax, typename Pass>
-inline void for_head_passes(int64_t group, const Pass& pass) {
-  for (int64_t g0 = 0; g0 < group; g0 += kMax) head_pass<kMax>(std::min(kMax, group - g0), g0, pass);
+inline void for_passes(int64_t begin, int64_t end, const Pass& pass) {
+  for (int64_t first = begin; first < end; first += kMax) pass_of<kMax>(std::min(kMax, end - first), first, pass);
 }
 
 #if defined(__AVX512F__)
@@ -172,7 +173,7 @@ inline __m256 sum_lanes_8(const __m256* v) {
 template <typename scalar_t, int64_t kDim>
 constexpr bool kDecodeAvx2 = kDim > 0 && kDim % 32 == 0 && kWidens8<scalar_t>;
 
-// The two passes below take a group's query heads up to three at a time (for_head_passes).
+// The two passes below take a group's query heads up to three at a time (for_passes).
 constexpr int64_t kHeadsPerPass = 3;
 
 // scores[h * stride + r] = scale * (query h · key row r) for kHeads heads and rows r < m <= 8: each row widened in
@@ -308,7 +309,7 @@ void score_rows(const Query<scalar_t, kDim>* query, int64_t group, int64_t dim, 
 #elif defined(LITEINFER_DECODE_AVX2)
   if constexpr (kDecodeAvx2<scalar_t, kDim>) {
     for (; j < n; j += 8)
-      for_head_passes<kHeadsPerPass>(group, [&](auto heads, int64_t g0) {
+      for_passes<kHeadsPerPass>(0, group, [&](auto heads, int64_t g0) {
         score_8_rows<heads(), kDim>(query + g0 * kDim, rows + j * kDim, std::min<int64_t>(8, n - j), scale,
                                     scores + g0 * stride + j, stride);
       });
@@ -577,7 +578,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         constexpr int64_t kVecs = kDim / 16, kHeads = std::max<int64_t>(1, 16 / kVecs), kFlushBlocks = 2048;
         constexpr int64_t kQuadLines = kDim * 4 / 64;
         std::fill(acc.begin(), acc.end(), 0.f);
-        for_head_passes<kHeads>(group, [&](auto heads, int64_t g0) {
+        for_passes<kHeads>(0, group, [&](auto heads, int64_t g0) {
           __m512i a[heads()][kVecs];
           auto flush = [&]() {
             for (int64_t h = 0; h < heads(); ++h)
@@ -631,7 +632,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           }
         const __m512i low_order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
         const __m512i high_order = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-        for_head_passes<kHeads>(group, [&](auto heads, int64_t g0) {
+        for_passes<kHeads>(0, group, [&](auto heads, int64_t g0) {
           __m512 low[heads()][kChunks], high[heads()][kChunks];
           for (int64_t h = 0; h < heads(); ++h)
             for (int64_t c = 0; c < kChunks; ++c) low[h][c] = high[h][c] = _mm512_setzero_ps();
@@ -681,7 +682,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         // Values: each row widened once into registers, then added into every head's sums, which stay in registers
         // (up to 16 of them: 4 heads of 64, 2 of 128) for the whole sequence.
         constexpr int64_t kVecs = kDim / 16, kHeads = std::max<int64_t>(1, 16 / kVecs);
-        for_head_passes<kHeads>(group, [&](auto heads, int64_t g0) {
+        for_passes<kHeads>(0, group, [&](auto heads, int64_t g0) {
           __m512 a[heads()][kVecs];
           for (int64_t h = 0; h < heads(); ++h)
             for (int64_t c = 0; c < kVecs; ++c) a[h][c] = _mm512_setzero_ps();
@@ -712,7 +713,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
 #if defined(LITEINFER_DECODE_AVX2)
           if constexpr (kDecodeAvx2<scalar_t, kDim>) {
-            for_head_passes<kHeadsPerPass>(group, [&](auto heads, int64_t g0) {
+            for_passes<kHeadsPerPass>(0, group, [&](auto heads, int64_t g0) {
               add_weighted_rows<heads(), kDim>(scores.data() + g0 * span + (lo - first), span,
                                                block_of(v_data, t, start) + (lo - start) * kDim, hi - lo,
                                                acc.data() + g0 * kDim);
@@ -807,30 +808,85 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }
 
 #if defined(__AVX512F__)
-// The scores of N queries against a panel of 16 keys, scaled: out[u * 16 + j] = scale * (query u · key j). fp32
-// panels are K transposed ([dim][16]); bf16 ones hold the keys' elements in pairs ([dim / 2][16][2]), which
-// vdpbf16ps multiplies by each query's pair. N is fixed at compile time so that the sums stay in registers.
-template <int64_t N, int64_t kDim, typename T>
-inline void panel_scores(const T* const* queries, const T* panel, float scale, float* out) {
-  __m512 a[N];
-  for (int64_t u = 0; u < N; ++u) a[u] = _mm512_setzero_ps();
-  if constexpr (std::is_same_v<T, float>) {
-    for (int64_t d = 0; d < kDim; ++d) {
-      const __m512 k = _mm512_loadu_ps(panel + d * 16);
-      for (int64_t u = 0; u < N; ++u) a[u] = _mm512_fmadd_ps(_mm512_set1_ps(queries[u][d]), k, a[u]);
-    }
+// Elements in each 32-bit lane of the prompt kernel's panels: bf16 panels hold pairs (vdpbf16ps multiplies pairs),
+// fp32 panels one element.
+template <typename Panel>
+constexpr int64_t kPerLane = std::is_same_v<Panel, float> ? 1 : 2;
+
+// A 64-byte row of a panel, its 16 lanes, in a register. The empty asm pins it there: given the load itself, GCC
+// folded it into each FMA that reads the row, one load per query (fp32 values: 20 loads per 16 FMAs, ~10% slower).
+template <typename Panel>
+inline __m512i panel_row(const Panel* row) {
+  __m512i lanes = _mm512_loadu_si512(row);
+  asm("" : "+v"(lanes));
+  return lanes;
+}
+
+// acc + a panel row times `word` broadcast: a query's (or a softmax weight's) 32-bit lane, a bf16 pair multiplied by
+// vdpbf16ps or a float's bits by FMA.
+template <typename Panel>
+inline __m512 lane_products(__m512 acc, __m512i row, int32_t word) {
+  const __m512i broadcast = _mm512_set1_epi32(word);
+  if constexpr (std::is_same_v<Panel, float>) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(row), _mm512_castsi512_ps(broadcast), acc);
   } else {
 #if defined(__AVX512BF16__)
-    for (int64_t d2 = 0; d2 < kDim / 2; ++d2) {
-      const __m512bh k = (__m512bh)_mm512_loadu_si512(panel + d2 * 32);
-      for (int64_t u = 0; u < N; ++u) {
-        const int32_t pair = reinterpret_cast<const int32_t*>(queries[u])[d2];
-        a[u] = _mm512_dpbf16_ps(a[u], k, (__m512bh)_mm512_set1_epi32(pair));
-      }
-    }
+    return _mm512_dpbf16_ps(acc, (__m512bh)row, (__m512bh)broadcast);
+#else
+    static_assert(std::is_same_v<Panel, float>, "bf16 panels need AVX-512 BF16");
+    return acc;
 #endif
   }
-  for (int64_t u = 0; u < N; ++u) _mm512_storeu_ps(out + u * 16, _mm512_mul_ps(a[u], _mm512_set1_ps(scale)));
+}
+
+constexpr int64_t kStepKeys = 64;  // the keys of one online-softmax step of the prompt kernel: four panels of 16
+
+// scores[u * 64 + p * 16 + j] = scale * (query u . key j of panel p), for N queries (their 32-bit lanes) against
+// the step's first NP panels. The N x NP sums are independent chains: at N x NP = 16 the multiply-adds issue every
+// cycle, where one panel against four queries (four chains) waited on each product's latency.
+template <int64_t N, int64_t NP, int64_t kDim, typename Panel>
+inline void step_scores(const int32_t* const* queries, const Panel* kp, float scale, float* scores) {
+  constexpr int64_t kLanes = kDim / kPerLane<Panel>;  // a query's lanes: the rows of a K panel
+  __m512 a[N][NP];
+  for (int64_t u = 0; u < N; ++u)
+    for (int64_t p = 0; p < NP; ++p) a[u][p] = _mm512_setzero_ps();
+  for (int64_t w = 0; w < kLanes; ++w) {
+    __m512i rows[NP];  // (each loaded once for the N queries)
+#pragma GCC unroll 4
+    for (int64_t p = 0; p < NP; ++p) rows[p] = panel_row(kp + p * 16 * kDim + w * 16 * kPerLane<Panel>);
+    // (Unrolled whole, so that the sums stay in registers: GCC kept some forms' in memory otherwise.)
+#pragma GCC unroll 4
+    for (int64_t u = 0; u < N; ++u)
+#pragma GCC unroll 4
+      for (int64_t p = 0; p < NP; ++p) a[u][p] = lane_products<Panel>(a[u][p], rows[p], queries[u][w]);
+  }
+  for (int64_t u = 0; u < N; ++u)
+    for (int64_t p = 0; p < NP; ++p)
+      _mm512_storeu_ps(scores + u * kStepKeys + p * 16, _mm512_mul_ps(a[u][p], _mm512_set1_ps(scale)));
+}
+
+// acc[u] = acc[u] * rescale[u] + the step's values weighted by weights[u], for N queries, over its first `units`
+// V lanes' rows (a key pair in bf16, a key in fp32): N x kDim / 16 sums in registers, each V row loaded once for
+// the N queries.
+template <int64_t N, int64_t kDim, typename Panel>
+inline void step_values(float* const* acc, const float* rescale, const int32_t* const* weights, int64_t units,
+                        const Panel* vp) {
+  constexpr int64_t kVectors = kDim / 16;
+  __m512 a[N][kVectors];
+  for (int64_t u = 0; u < N; ++u)
+    for (int64_t c = 0; c < kVectors; ++c)
+      a[u][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[u] + c * 16), _mm512_set1_ps(rescale[u]));
+  for (int64_t t = 0; t < units; ++t) {
+    __m512i rows[kVectors];
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < kVectors; ++c) rows[c] = panel_row(vp + (t * kDim + c * 16) * kPerLane<Panel>);
+#pragma GCC unroll 4
+    for (int64_t u = 0; u < N; ++u)
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kVectors; ++c) a[u][c] = lane_products<Panel>(a[u][c], rows[c], weights[u][t]);
+  }
+  for (int64_t u = 0; u < N; ++u)
+    for (int64_t c = 0; c < kVectors; ++c) _mm512_storeu_ps(acc[u] + c * 16, a[u][c]);
 }
 
 #if defined(LITEINFER_AMX)
@@ -977,11 +1033,11 @@ void amx_prompt_tasks(const PromptTasks& t, int64_t begin, int64_t end) {
 // 0..position of their sequence (the last `sliding_window` of them when set), read through the span's block table.
 // First every span's keys are laid out once in panels of 16 keys: in fp32, K transposed ([dim][16]) and V as rows;
 // in bf16 (kBf16Dot), K as [dim / 2][16][2] and V as [8][dim][2] (key pairs), the pairs vdpbf16ps multiplies. Then
-// each task takes 16 query rows with their group's heads against one KV head, a panel at a time: scores as FMAs
-// (or bf16 pair products) of broadcast query elements with panel rows (four queries per panel read), softmax online
-// (a running max and sum per query), the values summed in registers (in bf16, the softmax weights rounded to bf16
-// for the pair products, as PyTorch's flash attention rounds them). On CPUs with AMX, bf16 tasks run in its tiles
-// instead (amx_prompt_tasks, above), on the same panels.
+// each task takes 16 query rows with their group's heads against one KV head, 64 keys (four panels) at a time:
+// scores as FMAs (or bf16 pair products) of broadcast query elements with panel rows (step_scores), softmax online
+// (a running max and sum per query), the values summed in registers (step_values; in bf16, the softmax weights
+// rounded to bf16 for the pair products, as PyTorch's flash attention rounds them). On CPUs with AMX, bf16 tasks
+// run in its tiles instead (amx_prompt_tasks, above), on the same panels.
 // int8 pools (k_scales and v_scales given) are laid out in panels dequantized, in q's dtype.
 template <typename scalar_t, int64_t kDim>
 void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -1003,54 +1059,74 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int64_t* pos = positions.data_ptr<int64_t>();
   scalar_t* out_data = out.data_ptr<scalar_t>();
 
-  // Span s's keys 0..its last position, rounded up to 64 (whole panels, as many as an AMX softmax step reads),
-  // start at key_base[s] of each head's buffers.
-  constexpr int64_t kSpanKeys = 64;
+  // Span s's keys 0..its last position, rounded up to whole softmax steps, start at key_base[s] of each head's
+  // buffers.
   std::vector<int64_t> key_base(spans + 1, 0), panel_span;
   for (int64_t s = 0; s < spans; ++s) {
-    key_base[s + 1] = key_base[s] + (pos[starts[s + 1] - 1] + kSpanKeys) / kSpanKeys * kSpanKeys;
+    key_base[s + 1] = key_base[s] + (pos[starts[s + 1] - 1] + kStepKeys) / kStepKeys * kStepKeys;
     for (int64_t k = key_base[s]; k < key_base[s + 1]; k += kPanel) panel_span.push_back(s);
   }
   const int64_t keys = key_base[spans], panels = static_cast<int64_t>(panel_span.size());
   constexpr bool kBf16 = kBf16Dot<scalar_t, kDim>;
   using Panel = std::conditional_t<kBf16, c10::BFloat16, float>;
-  // Where K element d of panel key j goes in its panel, and V element d; both panels hold kPanel * kDim elements.
-  auto k_index = [](int64_t j, int64_t d) { return kBf16 ? (d / 2 * kPanel + j) * 2 + d % 2 : d * kPanel + j; };
-  auto v_index = [](int64_t j, int64_t d) { return kBf16 ? (j / 2 * kDim + d) * 2 + j % 2 : j * kDim + d; };
   // Every element is written below (keys past a span's last position as zeros): allocated, not zero-filled first.
   const std::unique_ptr<Panel[]> k_panels(new Panel[kv_heads * keys * kDim]);
   const std::unique_ptr<Panel[]> v_panels(new Panel[kv_heads * keys * kDim]);
   at::parallel_for(0, panels * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    float k_row[kDim], v_row[kDim];
+    static const Panel zeros[kDim] = {};  // the rows of keys past a span's last: never seen (hidden by position)
+    Panel k_row[kDim], v_rows[2][kDim];   // a key's rows in the panels' type, where the pools' are not
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task % kv_heads, panel = task / kv_heads, s = panel_span[panel];
       const int64_t first = panel * kPanel - key_base[s], last = pos[starts[s + 1] - 1];
-      Panel* kp = k_panels.get() + (h * keys + panel * kPanel) * kDim;
+      int32_t* kp = reinterpret_cast<int32_t*>(k_panels.get() + (h * keys + panel * kPanel) * kDim);
       Panel* vp = v_panels.get() + (h * keys + panel * kPanel) * kDim;
+      const Panel* v_even = zeros;  // the V row of the pair's first key
       for (int64_t j = 0; j < kPanel; ++j) {
         const int64_t key = first + j;
-        if (key > last) {  // past the span's last key: zeros, never seen (hidden by position)
-          for (int64_t d = 0; d < kDim; ++d) kp[k_index(j, d)] = vp[v_index(j, d)] = Panel(0.f);
-          continue;
+        const Panel *k = zeros, *v = zeros;
+        if (key <= last) {
+          const int64_t block = tables[s * table_width + key / block_size], row = key % block_size;
+          const int64_t offset = runs.start(block, h, block_size * kDim) + row * kDim;
+          if (int8) {  // K stored as k + 128; V with four keys' elements side by side (kernels/__init__.py)
+            const int64_t scale_at = runs.start(block, h, block_size) + row;
+            const int8_t* v_block = v_bytes + runs.start(block, h, block_size * kDim);
+            for (int64_t d = 0; d < kDim; ++d) {
+              k_row[d] = Panel((static_cast<int32_t>(k_bytes[offset + d]) - 128) * k_scales[scale_at]);
+              v_rows[j % 2][d] = Panel(v_block[liteinfer::v_byte(row, d, kDim)] * v_scales[scale_at]);
+            }
+            k = k_row, v = v_rows[j % 2];
+          } else if constexpr (kBf16) {
+            k = k_data + offset, v = v_data + offset;
+          } else {
+            to_float(k_data + offset, k_row, kDim);
+            to_float(v_data + offset, v_rows[j % 2], kDim);
+            k = k_row, v = v_rows[j % 2];
+          }
         }
-        const int64_t block = tables[s * table_width + key / block_size], row = key % block_size;
-        const int64_t offset = runs.start(block, h, block_size * kDim) + row * kDim;
-        if (int8) {  // K stored as k + 128; V with four keys' elements side by side (kernels/__init__.py)
-          const int64_t scale_at = runs.start(block, h, block_size) + row;
-          const int8_t* v_block = v_bytes + runs.start(block, h, block_size * kDim);
-          for (int64_t d = 0; d < kDim; ++d) {
-            kp[k_index(j, d)] = Panel((static_cast<int32_t>(k_bytes[offset + d]) - 128) * k_scales[scale_at]);
-            vp[v_index(j, d)] = Panel(v_block[liteinfer::v_byte(row, d, kDim)] * v_scales[scale_at]);
+        // K: the key's lanes (bf16 pairs or floats) down panel column j, lane w in panel row w.
+        const int32_t* k_lanes = reinterpret_cast<const int32_t*>(k);
+        for (int64_t w = 0; w < kDim / kPerLane<Panel>; ++w) kp[w * kPanel + j] = k_lanes[w];
+        // V: fp32 rows as they are; bf16 ones by key pairs, the two keys' elements side by side.
+        if constexpr (kBf16) {
+#if defined(__AVX512BF16__)
+          if (j % 2 == 0) {
+            v_even = v;
+            continue;
           }
-        } else if constexpr (kBf16) {
-          for (int64_t d = 0; d < kDim; ++d) {
-            kp[k_index(j, d)] = k_data[offset + d];
-            vp[v_index(j, d)] = v_data[offset + d];
+          // Elements 0..15 of the even row's 32 (indices 0..31) beside the odd row's (32..63); then 16..31.
+          alignas(64) static constexpr uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                            37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                            11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+          const __m512i low = _mm512_load_si512(kLow), high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+          Panel* pair = vp + j / 2 * kDim * 2;
+          for (int64_t d = 0; d < kDim; d += 32) {
+            const __m512i even = _mm512_loadu_si512(v_even + d), odd = _mm512_loadu_si512(v + d);
+            _mm512_storeu_si512(pair + d * 2, _mm512_permutex2var_epi16(even, low, odd));
+            _mm512_storeu_si512(pair + d * 2 + 32, _mm512_permutex2var_epi16(even, high, odd));
           }
+#endif
         } else {
-          to_float(k_data + offset, k_row, kDim);
-          to_float(v_data + offset, v_row, kDim);
-          for (int64_t d = 0; d < kDim; ++d) kp[k_index(j, d)] = k_row[d], vp[v_index(j, d)] = v_row[d];
+          std::copy(v, v + kDim, vp + j * kDim);
         }
       }
     }
@@ -1066,11 +1142,11 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   auto task_work = [&](int64_t task) {  // its rows times the keys they walk (plus a step's worth for the rest)
     const int64_t s = task_span[task / kv_heads], r0 = task_row[task / kv_heads];
     const int64_t r1 = std::min(r0 + kRowsPerTask, starts[s + 1]);
-    return (r1 - r0) * (pos[r1 - 1] - first_visible_key(pos[r0], sliding_window) + kSpanKeys);
+    return (r1 - r0) * (pos[r1 - 1] - first_visible_key(pos[r0], sliding_window) + kStepKeys);
   };
 #if defined(LITEINFER_AMX)
   if constexpr (kBf16 && kDim % 64 == 0) {
-    static_assert(kRowsPerTask == kAmxRows && kSpanKeys % kAmxKeys == 0);
+    static_assert(kRowsPerTask == kAmxRows && kStepKeys % kAmxKeys == 0);
     if (liteinfer::amx_permitted()) {
       const PromptTasks tasks{q_data, out_data, num_heads, kv_heads, group, k_panels.get(), v_panels.get(), keys,
                               key_base.data(), starts, pos, task_span.data(), task_row.data(),
@@ -1080,74 +1156,96 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
     }
   }
 #endif
+  // Each task: its queries' scores against 64 keys (four panels) at a time, the softmax online over them, then the
+  // values; panels past the last key a pass of queries sees are skipped, as are queries that see none of the step.
   parallel_balanced(num_tasks, task_work, [&](int64_t begin, int64_t end) {
-    const int64_t max_queries = kRowsPerTask * group;
-    std::vector<float> query(max_queries * kDim), acc(max_queries * kDim), run_max(max_queries),
-        run_sum(max_queries), scores(max_queries * kPanel);
-    std::vector<const Panel*> query_rows(max_queries);  // each query as panel_scores reads it: bf16 as is, or widened
+    constexpr int64_t kWeightLanes = kStepKeys / kPerLane<Panel>;
+    constexpr int64_t kScorePass = 4, kValuePass = 256 / kDim;  // queries a pass: 16 sums in registers each way
+    const int64_t max_queries = (kRowsPerTask * group + 15) / 16 * 16;  // (whole vectors for the rescale's exp)
+    std::vector<float> query(max_queries * kDim), acc(max_queries * kDim), scores(max_queries * kStepKeys);
+    std::vector<float> run_max(max_queries), run_sum(max_queries), max_before(max_queries), step_sum(max_queries),
+        rescale(max_queries);
+    std::vector<int32_t> weights(max_queries * kWeightLanes);  // the step's softmax weights, as the V rows' lanes
+    std::vector<const int32_t*> query_lanes(max_queries), weight_lanes(max_queries);
+    std::vector<float*> acc_rows(max_queries);
+    for (int64_t i = 0; i < max_queries; ++i) {
+      weight_lanes[i] = weights.data() + i * kWeightLanes;
+      acc_rows[i] = acc.data() + i * kDim;
+    }
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task % kv_heads, s = task_span[task / kv_heads], r0 = task_row[task / kv_heads];
       const int64_t r1 = std::min(r0 + kRowsPerTask, starts[s + 1]), queries = (r1 - r0) * group;
-      auto query_row = [&](int64_t i) {  // query i: row r0 + i / group, head h * group + i % group
+      // Query i: row r0 + i / group, head h * group + i % group.
+      auto position = [&](int64_t i) { return pos[r0 + i / group]; };
+      auto query_row = [&](int64_t i) {
         return q_data + ((r0 + i / group) * num_heads + h * group + i % group) * kDim;
       };
       for (int64_t i = 0; i < queries; ++i) {
         if constexpr (kBf16) {
-          query_rows[i] = query_row(i);
+          query_lanes[i] = reinterpret_cast<const int32_t*>(query_row(i));
         } else {
           to_float(query_row(i), query.data() + i * kDim, kDim);
-          query_rows[i] = query.data() + i * kDim;
+          query_lanes[i] = reinterpret_cast<const int32_t*>(query.data() + i * kDim);
         }
       }
       std::fill(acc.begin(), acc.begin() + queries * kDim, 0.f);
-      std::fill(run_max.begin(), run_max.begin() + queries, kHidden);
+      std::fill(run_max.begin(), run_max.end(), kHidden);
       std::fill(run_sum.begin(), run_sum.begin() + queries, 0.f);
       // Positions grow along a span: the first row sees the first key, the last row the last.
       const int64_t lo = first_visible_key(pos[r0], sliding_window), hi = pos[r1 - 1];
-      for (int64_t first = lo - lo % kPanel; first <= hi; first += kPanel) {
+      int64_t seen = 0;  // queries before it see none of the step's keys (their positions come before it)
+      for (int64_t first = lo - lo % kStepKeys; first <= hi; first += kStepKeys) {
         const Panel* kp = k_panels.get() + (h * keys + key_base[s] + first) * kDim;
         const Panel* vp = v_panels.get() + (h * keys + key_base[s] + first) * kDim;
-        int64_t i = 0;
-        for (; i + 4 <= queries; i += 4)  // four queries share each panel row read
-          panel_scores<4, kDim>(query_rows.data() + i, kp, static_cast<float>(scale), scores.data() + i * kPanel);
-        for (; i < queries; ++i)
-          panel_scores<1, kDim>(query_rows.data() + i, kp, static_cast<float>(scale), scores.data() + i * kPanel);
-        for (int64_t i = 0; i < queries; ++i) {
-          const __mmask16 visible = visible_keys(first, pos[r0 + i / group], sliding_window);
-          if (!visible) continue;
-          const __m512 x = _mm512_mask_blend_ps(visible, _mm512_set1_ps(kHidden), _mm512_loadu_ps(&scores[i * kPanel]));
-          const float new_max = std::max(run_max[i], _mm512_reduce_max_ps(x));
-          // (A query's first visible panel has nothing to rescale: skipping the exp of -1e30 also skips libm's
-          // slow underflow path, 4% of the kernel's time when measured.)
-          const float rescale = run_max[i] == kHidden ? 0.f : std::exp(run_max[i] - new_max);
-          const __m512 e = _mm512_maskz_mov_ps(visible, exp16(_mm512_sub_ps(x, _mm512_set1_ps(new_max))));
-          run_sum[i] = run_sum[i] * rescale + _mm512_reduce_add_ps(e);
-          run_max[i] = new_max;
-          float* ai = acc.data() + i * kDim;
-          __m512 a[kDim / 16];  // this query's output so far, rescaled to the new max, plus the panel's values
-          for (int64_t c = 0; c < kDim / 16; ++c)
-            a[c] = _mm512_mul_ps(_mm512_loadu_ps(ai + c * 16), _mm512_set1_ps(rescale));
-          if constexpr (kBf16) {
+        while (position(seen) < first) ++seen;
+        // The step's panels that hold keys query i may see (its position's and those before); a pass of queries
+        // takes its last query's.
+        auto panels_to = [&](int64_t i) { return std::min<int64_t>(4, (position(i) - first) / 16 + 1); };
+        for_passes<kScorePass>(seen, queries, [&](auto n, int64_t i0) {
+          pass_of<4>(panels_to(i0 + n() - 1), 0, [&](auto np, int64_t) {
+            step_scores<n(), np(), kDim>(query_lanes.data() + i0, kp, static_cast<float>(scale),
+                                         scores.data() + i0 * kStepKeys);
+          });
+        });
+        std::copy(run_max.begin(), run_max.end(), max_before.begin());
+        for (int64_t i = seen; i < queries; ++i) {
+          const int64_t panels = panels_to(i);
+          __m512 x[4], top = _mm512_set1_ps(kHidden);
+          __mmask16 visible[4];
+          for (int64_t p = 0; p < 4; ++p) {
+            visible[p] = p < panels ? visible_keys(first + p * 16, position(i), sliding_window) : 0;
+            x[p] = _mm512_mask_blend_ps(visible[p], _mm512_set1_ps(kHidden),
+                                        _mm512_loadu_ps(&scores[i * kStepKeys + p * 16]));
+            top = _mm512_max_ps(top, x[p]);
+          }
+          run_max[i] = std::max(max_before[i], _mm512_reduce_max_ps(top));
+          __m512 e[4], sum = _mm512_setzero_ps();
+          for (int64_t p = 0; p < 4; ++p) {  // (wholly hidden panels skip the exp)
+            const __m512 shifted = _mm512_sub_ps(x[p], _mm512_set1_ps(run_max[i]));
+            e[p] = visible[p] ? _mm512_maskz_mov_ps(visible[p], exp16(shifted)) : _mm512_setzero_ps();
+            sum = _mm512_add_ps(sum, e[p]);
+          }
+          step_sum[i] = _mm512_reduce_add_ps(sum);
+          int32_t* w = weights.data() + i * kWeightLanes;
+          if constexpr (kBf16) {  // rounded to bf16, two keys a lane, as the V panels pair them
 #if defined(__AVX512BF16__)
-            alignas(32) int32_t weight_pairs[kPanel / 2];  // the weights in bf16, two keys to an int
-            _mm256_store_si256(reinterpret_cast<__m256i*>(weight_pairs), (__m256i)_mm512_cvtneps_pbh(e));
-            for (int64_t j2 = 0; j2 < kPanel / 2; ++j2) {
-              const __m512bh w = (__m512bh)_mm512_set1_epi32(weight_pairs[j2]);
-              for (int64_t c = 0; c < kDim / 16; ++c)
-                a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)_mm512_loadu_si512(vp + (j2 * kDim + c * 16) * 2), w);
-            }
+            _mm512_storeu_si512(w, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+            _mm512_storeu_si512(w + 16, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
 #endif
           } else {
-            alignas(64) float weights[kPanel];
-            _mm512_store_ps(weights, e);
-            for (int64_t j = 0; j < kPanel; ++j) {
-              const __m512 w = _mm512_set1_ps(weights[j]);
-              for (int64_t c = 0; c < kDim / 16; ++c)
-                a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vp + j * kDim + c * 16), a[c]);
-            }
+            for (int64_t p = 0; p < 4; ++p) _mm512_storeu_si512(w + p * 16, _mm512_castps_si512(e[p]));
           }
-          for (int64_t c = 0; c < kDim / 16; ++c) _mm512_storeu_ps(ai + c * 16, a[c]);
         }
+        // The queries' earlier sums scaled to their new maxima, 16 in one exp (0 where nothing was seen yet; 1 where
+        // nothing is seen now).
+        for (int64_t i = seen / 16 * 16; i < queries; i += 16)
+          _mm512_storeu_ps(&rescale[i], exp16(_mm512_sub_ps(_mm512_loadu_ps(&max_before[i]),
+                                                            _mm512_loadu_ps(&run_max[i]))));
+        for (int64_t i = seen; i < queries; ++i) run_sum[i] = run_sum[i] * rescale[i] + step_sum[i];
+        for_passes<kValuePass>(seen, queries, [&](auto n, int64_t i0) {
+          step_values<n(), kDim>(acc_rows.data() + i0, rescale.data() + i0, weight_lanes.data() + i0,
+                                 panels_to(i0 + n() - 1) * 16 / kPerLane<Panel>, vp);
+        });
       }
       for (int64_t i = 0; i < queries; ++i) {
         scalar_t* dst = out_data + ((r0 + i / group) * num_heads + h * group + i % group) * kDim;

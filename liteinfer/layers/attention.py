@@ -14,7 +14,7 @@ where they lie in the pool: on CPU ours in C++ (liteinfer.kernels), on CUDA ours
 (kernels/triton_attention.py) where Triton is installed; elsewhere, or where the C++ kernels could not be built, a
 grouped matmul over a gathered copy of the blocks. Spans (a prompt, a chunk of one, even a single prompt token, or
 a prompt computed again after a preemption) are batched into one call of our prompt kernel on AVX-512 CPUs (head sizes
-64 and 128, no soft-capping; up to 1,024 keys unless it runs in AMX tiles) or of our Triton one on CUDA (blocks of
+64 and 128, no soft-capping; at any length) or of our Triton one on CUDA (blocks of
 16 keys or more); otherwise each runs on its own through PyTorch's fused scaled-dot-product attention. Either way a
 long prefill never pads the decodes that share its step and never materialises its [queries, keys] score matrix.
 """
@@ -35,9 +35,6 @@ try:  # CUDA's kernels; CPU-only machines need no Triton
     from liteinfer.kernels.triton_attention import paged_prefill_attention as triton_paged_prefill_attention
 except ImportError:
     triton_paged_decode_attention = triton_paged_prefill_attention = None
-
-PROMPT_KERNEL_MAX_KEYS = 1024  # see PagedAttention._prompt_kernel_takes
-
 
 @dataclass
 class PrefillSpan:
@@ -74,16 +71,14 @@ class AttentionMetadata:
         return self.decode_block_tables.shape[0]
 
     @cached_property
-    def prefill_spans(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The spans as the prompt kernel takes them, built once a step: rows [S + 1] where each span starts (counted
-        from the first prefill row; the last entry is where they end), block tables [S, width] padded with 0, and the
-        most keys any of their queries reads."""
+    def prefill_spans(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The spans as the prompt kernels take them, built once a step: rows [S + 1] where each span starts (counted
+        from the first prefill row; the last entry is where they end), and block tables [S, width] padded with 0."""
         first, device = self.prefills[0].start, self.positions.device
         starts = [span.start - first for span in self.prefills] + [self.prefills[-1].end - first]
         width = max(len(span.block_table) for span in self.prefills)
         tables = [span.block_table + [0] * (width - len(span.block_table)) for span in self.prefills]
-        return (torch.tensor(starts, device=device), torch.tensor(tables, device=device),
-                max(span.num_keys for span in self.prefills))
+        return torch.tensor(starts, device=device), torch.tensor(tables, device=device)
 
     @cached_property
     def longest_prefill(self) -> int:
@@ -138,20 +133,20 @@ class PagedAttention(nn.Module):
         """The step's multi-token spans, q: [P, heads, dim] (the rows after the decodes) -> [P, heads * dim]."""
         decodes = meta.num_decodes
         if self._prompt_kernel_takes(q, meta):
-            starts, tables, _ = meta.prefill_spans
+            starts, tables = meta.prefill_spans
             return torch.ops.liteinfer.paged_prefill_attention(
                 q, self.k_cache, self.v_cache, tables, starts, meta.positions[decodes:], self.scale,
                 self.sliding_window or 0, self.k_scales, self.v_scales,
             ).flatten(1)
         if (q.is_cuda and triton_paged_prefill_attention is not None and self.k_scales is None
                 and self.k_cache.shape[2] >= 16):  # the kernel's matrix products want blocks of 16 keys or more
-            starts, tables, _ = meta.prefill_spans
+            starts, tables = meta.prefill_spans
             return triton_paged_prefill_attention(
                 q, self.k_cache, self.v_cache, tables, starts, meta.positions[decodes:], self.scale,
                 meta.longest_prefill, self.sliding_window or 0, self.logit_softcap or 0.0,
             ).flatten(1)
         outputs = []
-        _, tables, _ = meta.prefill_spans
+        _, tables = meta.prefill_spans
         for i, span in enumerate(meta.prefills):
             positions, num_keys = meta.positions[span.start : span.end], span.num_keys
             keys, values = self._gather(tables[i : i + 1, : len(span.block_table)], q.dtype)
@@ -160,15 +155,12 @@ class PagedAttention(nn.Module):
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _prompt_kernel_takes(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Our prompt kernel: on AVX-512 CPUs, for head sizes 64 and 128 without soft-capping. In AMX tiles (bf16 on
-        CPUs with AMX) at any length: one layer, 2 threads, 8,192 keys 113 ms against SDPA's 134, 2,048 queries
-        after 6,144 keys 51 against 97 (docs/benchmarks.md). Otherwise while no query reads more than
-        PROMPT_KERNEL_MAX_KEYS keys, past which PyTorch's flash SDPA is as fast or faster (bf16 on an AMD Zen 4 at
-        2,048 keys: 38.7 vs 35.7 ms a layer, at 1,024: 10.1 vs 10.8, measured before the kernel's threads took
-        equal shares of the work)."""
+        """Our prompt kernel: on AVX-512 CPUs, for head sizes 64 and 128 without soft-capping, at any length. One
+        span, one layer of SmolLM2's shape, 2 threads, against SDPA over the span's gathered blocks (the path
+        otherwise) on an AMD Zen 4: bf16 1,024 / 8,192 keys 5.0 / 270 ms against 13.1 / 585, fp32 8.1 / 509 against
+        14.6 / 595 (docs/benchmarks.md, "2026-12-07 (04:39")."""
         return (q.is_cpu and self.logit_softcap is None and self.head_dim in (64, 128) and kernels.prefill_available()
-                and self._kernels_take_pools()
-                and (meta.prefill_spans[2] <= PROMPT_KERNEL_MAX_KEYS or kernels.prefill_in_amx_tiles(q.dtype)))
+                and self._kernels_take_pools())
 
     def _kernels_take_pools(self) -> bool:
         """Plain pools, or int8 ones where the kernels read them (AVX-512 VNNI, heads of 64 or 128, whole panels of 16
