@@ -14,9 +14,9 @@ where they lie in the pool: on CPU ours in C++ (liteinfer.kernels), on CUDA ours
 (kernels/triton_attention.py) where Triton is installed; elsewhere, or where the C++ kernels could not be built, a
 grouped matmul over a gathered copy of the blocks. Spans (a prompt, a chunk of one, even a single prompt token, or
 a prompt computed again after a preemption) are batched into one call of our prompt kernel on AVX-512 CPUs (head sizes
-64 and 128, no soft-capping; at any length) or of our Triton one on CUDA (blocks of
-16 keys or more); otherwise each runs on its own through PyTorch's fused scaled-dot-product attention. Either way a
-long prefill never pads the decodes that share its step and never materialises its [queries, keys] score matrix.
+64 and 128, no soft-capping; at any length) or of our Triton one on CUDA (blocks of 16 keys or more); otherwise each
+runs on its own through PyTorch's fused scaled-dot-product attention. Either way a long prefill never pads the
+decodes that share its step and never materialises its [queries, keys] score matrix.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class PagedAttention(nn.Module):
     def _attend_prefills(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The step's multi-token spans, q: [P, heads, dim] (the rows after the decodes) -> [P, heads * dim]."""
         decodes = meta.num_decodes
-        if self._prompt_kernel_takes(q, meta):
+        if self._prompt_kernel_takes(q):
             starts, tables = meta.prefill_spans
             return torch.ops.liteinfer.paged_prefill_attention(
                 q, self.k_cache, self.v_cache, tables, starts, meta.positions[decodes:], self.scale,
@@ -154,7 +154,7 @@ class PagedAttention(nn.Module):
             outputs.append(self._attend_span(q[span.start - decodes : span.end - decodes], keys, values, positions))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def _prompt_kernel_takes(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def _prompt_kernel_takes(self, q: torch.Tensor) -> bool:
         """Our prompt kernel: on AVX-512 CPUs, for head sizes 64 and 128 without soft-capping, at any length. One
         span, one layer of SmolLM2's shape, 2 threads, against SDPA over the span's gathered blocks (the path
         otherwise) on an AMD Zen 4: bf16 1,024 / 8,192 keys 5.0 / 270 ms against 13.1 / 585, fp32 8.1 / 509 against
