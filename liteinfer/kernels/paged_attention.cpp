@@ -813,6 +813,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 template <typename Panel>
 constexpr int64_t kPerLane = std::is_same_v<Panel, float> ? 1 : 2;
 
+// 32-bit lane w of a row of bf16 pairs or floats, read as bytes: the kernel fills some rows through their own type
+// (widened or dequantized keys and queries) and reads them as lanes, and through an int32_t pointer the compiler
+// could, by strict aliasing, read a lane before the stores that fill it. memcpy compiles to the same load.
+inline int32_t lane_at(const void* row, int64_t w) {
+  int32_t lane;
+  std::memcpy(&lane, static_cast<const char*>(row) + w * sizeof(int32_t), sizeof(int32_t));
+  return lane;
+}
+
 // A 64-byte row of a panel, its 16 lanes, in a register. The empty asm pins it there: given the load itself, GCC
 // folded it into each FMA that reads the row, one load per query (fp32 values: 20 loads per 16 FMAs, ~10% slower).
 template <typename Panel>
@@ -845,7 +854,7 @@ constexpr int64_t kStepKeys = 64;  // the keys of one online-softmax step of the
 // the step's first NP panels. The N x NP sums are independent chains: at N x NP = 16 the multiply-adds issue every
 // cycle, where one panel against four queries (four chains) waited on each product's latency.
 template <int64_t N, int64_t NP, int64_t kDim, typename Panel>
-inline void step_scores(const int32_t* const* queries, const Panel* kp, float scale, float* scores) {
+inline void step_scores(const void* const* queries, const Panel* kp, float scale, float* scores) {
   constexpr int64_t kLanes = kDim / kPerLane<Panel>;  // a query's lanes: the rows of a K panel
   __m512 a[N][NP];
   for (int64_t u = 0; u < N; ++u)
@@ -858,7 +867,7 @@ inline void step_scores(const int32_t* const* queries, const Panel* kp, float sc
 #pragma GCC unroll 4
     for (int64_t u = 0; u < N; ++u)
 #pragma GCC unroll 4
-      for (int64_t p = 0; p < NP; ++p) a[u][p] = lane_products<Panel>(a[u][p], rows[p], queries[u][w]);
+      for (int64_t p = 0; p < NP; ++p) a[u][p] = lane_products<Panel>(a[u][p], rows[p], lane_at(queries[u], w));
   }
   for (int64_t u = 0; u < N; ++u)
     for (int64_t p = 0; p < NP; ++p)
@@ -1078,7 +1087,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task % kv_heads, panel = task / kv_heads, s = panel_span[panel];
       const int64_t first = panel * kPanel - key_base[s], last = pos[starts[s + 1] - 1];
-      int32_t* kp = reinterpret_cast<int32_t*>(k_panels.get() + (h * keys + panel * kPanel) * kDim);
+      Panel* kp = k_panels.get() + (h * keys + panel * kPanel) * kDim;
       Panel* vp = v_panels.get() + (h * keys + panel * kPanel) * kDim;
       const Panel* v_even = zeros;  // the V row of the pair's first key
       for (int64_t j = 0; j < kPanel; ++j) {
@@ -1104,8 +1113,10 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
           }
         }
         // K: the key's lanes (bf16 pairs or floats) down panel column j, lane w in panel row w.
-        const int32_t* k_lanes = reinterpret_cast<const int32_t*>(k);
-        for (int64_t w = 0; w < kDim / kPerLane<Panel>; ++w) kp[w * kPanel + j] = k_lanes[w];
+        for (int64_t w = 0; w < kDim / kPerLane<Panel>; ++w) {
+          const int32_t lane = lane_at(k, w);
+          std::memcpy(kp + (w * kPanel + j) * kPerLane<Panel>, &lane, sizeof(lane));
+        }
         // V: fp32 rows as they are; bf16 ones by key pairs, the two keys' elements side by side.
         if constexpr (kBf16) {
 #if defined(__AVX512BF16__)
@@ -1166,7 +1177,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
     std::vector<float> run_max(max_queries), run_sum(max_queries), max_before(max_queries), step_sum(max_queries),
         rescale(max_queries);
     std::vector<int32_t> weights(max_queries * kWeightLanes);  // the step's softmax weights, as the V rows' lanes
-    std::vector<const int32_t*> query_lanes(max_queries), weight_lanes(max_queries);
+    std::vector<const void*> query_lanes(max_queries);  // each query as step_scores reads it: bf16, or widened
+    std::vector<const int32_t*> weight_lanes(max_queries);
     std::vector<float*> acc_rows(max_queries);
     for (int64_t i = 0; i < max_queries; ++i) {
       weight_lanes[i] = weights.data() + i * kWeightLanes;
@@ -1182,10 +1194,10 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
       };
       for (int64_t i = 0; i < queries; ++i) {
         if constexpr (kBf16) {
-          query_lanes[i] = reinterpret_cast<const int32_t*>(query_row(i));
+          query_lanes[i] = query_row(i);
         } else {
           to_float(query_row(i), query.data() + i * kDim, kDim);
-          query_lanes[i] = reinterpret_cast<const int32_t*>(query.data() + i * kDim);
+          query_lanes[i] = query.data() + i * kDim;
         }
       }
       std::fill(acc.begin(), acc.begin() + queries * kDim, 0.f);
