@@ -126,15 +126,7 @@ inline __mmask16 visible_keys(int64_t first, int64_t position, int64_t sliding_w
 
 using liteinfer::exp16;
 
-// 16 elements of a cache row as fp32, in registers.
-inline __m512 widen16(const float* src) { return _mm512_loadu_ps(src); }
-inline __m512 widen16(const c10::Half* src) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-}
-inline __m512 widen16(const c10::BFloat16* src) {
-  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-}
+using liteinfer::load_row16;  // 16 elements of a cache row as fp32, in registers
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -693,7 +685,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
             const float* p = scores.data() + g0 * span + (lo - first);
             for (int64_t r = 0; r < hi - lo; ++r) {
               __m512 v[kVecs];
-              for (int64_t c = 0; c < kVecs; ++c) v[c] = widen16(rows + r * kDim + c * 16);
+              for (int64_t c = 0; c < kVecs; ++c) v[c] = load_row16(rows + r * kDim + c * 16);
               for (int64_t h = 0; h < heads(); ++h) {
                 const __m512 w = _mm512_set1_ps(p[h * span + r]);
                 for (int64_t c = 0; c < kVecs; ++c) a[h][c] = _mm512_fmadd_ps(w, v[c], a[h][c]);

@@ -22,6 +22,7 @@
 #include "exp16.h"
 #include "gate_row.h"
 #include "int8_pools.h"
+#include "lanes16.h"
 #include "pool_runs.h"
 
 namespace {
@@ -129,16 +130,12 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define LITEINFER_VECTORS16
-// fp32 and bf16 values 16 lanes at a time, in fp32, and the rounding to T that PyTorch's ops do between them.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-}
+// fp32 and bf16 values 16 lanes at a time, in fp32 (lanes16.h's load_row16), and the rounding to T that PyTorch's
+// ops do between them.
+using liteinfer::load_row16;
 inline __m512 round16(__m512 v, const float*) { return v; }
 inline __m512 round16(__m512 v, const c10::BFloat16*) {  // to bf16 (nearest even) and back
-  const __m256i bits = (__m256i)_mm512_cvtneps_pbh(v);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return liteinfer::widen_bf16((__m256i)_mm512_cvtneps_pbh(v));
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(c10::BFloat16* p, __m512 v) {
@@ -157,9 +154,9 @@ inline void rotate_head(const T* __restrict__ x, const T* __restrict__ cos, cons
 #if defined(LITEINFER_VECTORS16)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
     for (; d + 16 <= half; d += 16) {
-      const __m512 first = load16(x + d), second = load16(x + d + half);
-      const __m512 cos1 = load16(cos + d), sin1 = load16(sin + d), cos2 = load16(cos + d + half),
-                   sin2 = load16(sin + d + half);
+      const __m512 first = load_row16(x + d), second = load_row16(x + d + half);
+      const __m512 cos1 = load_row16(cos + d), sin1 = load_row16(sin + d), cos2 = load_row16(cos + d + half),
+                   sin2 = load_row16(sin + d + half);
       store16(out + d,
               _mm512_sub_ps(round16(_mm512_mul_ps(first, cos1), x), round16(_mm512_mul_ps(second, sin1), x)));
       store16(out + d + half,
@@ -221,7 +218,7 @@ template <typename T>
 int64_t silu_row16(const T* gate, const T* up, T* o, int64_t size) {
   int64_t d = 0;
   for (; d + 16 <= size; d += 16) {
-    const __m512 g = load16(gate + d);
+    const __m512 g = load_row16(gate + d);
     // e^-g at most e^88 (finite in fp32): past it the sum overflowed to infinity, and the refined reciprocal of
     // infinity is 0 * infinity, NaN, where PyTorch's SiLU of such a gate (below -88) is -0.
     const __m512 minus_g = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(kMaxExponent));
@@ -234,7 +231,7 @@ int64_t silu_row16(const T* gate, const T* up, T* o, int64_t size) {
     __m512 scaled = _mm512_mul_ps(g, estimate);
     asm("" : "+v"(scaled));
     const __m512 silu = _mm512_mul_ps(scaled, _mm512_fnmadd_ps(denominator, estimate, _mm512_set1_ps(2.f)));
-    store16(o + d, _mm512_mul_ps(round16(silu, o), load16(up + d)));
+    store16(o + d, _mm512_mul_ps(round16(silu, o), load_row16(up + d)));
   }
   return d;
 }
