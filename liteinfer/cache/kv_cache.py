@@ -26,11 +26,16 @@ class KVCache:
         # Zeroed, not empty: attention over a gathered copy (CUDA, or CPU without liteinfer.kernels) multiplies
         # masked-out (probability 0) slots by their values, and 0 * NaN from uninitialised memory would poison the
         # output. The CPU kernel never reads past a sequence's position.
-        # int8 (kv_cache_dtype="int8"): K as uint8, V as int8 with four keys' elements side by side, each row's scale
-        # in k_scales / v_scales (the layout is in liteinfer/kernels/__init__.py; PagedAttention writes it).
+        # int8 (kv_cache_dtype="int8"): K as uint8 with four elements of a key side by side, V as int8 with four
+        # keys' elements side by side, each row's scale in k_scales / v_scales (the layout is in
+        # liteinfer/kernels/__init__.py; PagedAttention writes it).
+        if int8 and head_dim % 4:
+            raise ValueError(f"kv_cache_dtype='int8' lays four elements of a key side by side: it needs a head size "
+                             f"divisible by 4, the model's is {head_dim}")
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        k_shape = (num_blocks, num_kv_heads, head_dim // 4, block_size, 4) if int8 else shape
         v_shape = (num_blocks, num_kv_heads, block_size // 4, head_dim, 4) if int8 else shape
-        self.k = [_pool(shape, torch.uint8 if int8 else dtype, device) for _ in range(num_layers)]
+        self.k = [_pool(k_shape, torch.uint8 if int8 else dtype, device) for _ in range(num_layers)]
         self.v = [_pool(v_shape, torch.int8 if int8 else dtype, device) for _ in range(num_layers)]
         self.k_scales = [_pool(shape[:3], torch.float32, device) if int8 else None for _ in range(num_layers)]
         self.v_scales = [_pool(shape[:3], torch.float32, device) if int8 else None for _ in range(num_layers)]

@@ -30,9 +30,10 @@ they multiply the values (as in the prompt kernel), the sums kept in fp32.
 
 int8 pools (`kv_cache_dtype="int8"`, cache/kv_cache.py; both ops, on CPUs with AVX-512 VNNI:
 `int8_pools_available()`; head sizes 64 and 128, blocks of a multiple of 16 keys) come with their rows' scales
-`k_scales, v_scales [blocks, kv_heads, block_size]` fp32: key row r of a block is (k_cache row r - 128) times its
-scale (K uint8 [blocks, kv_heads, block_size, dim]), and value row r is v_cache[block, head, r // 4, :, r % 4] times
-its scale (V int8 [blocks, kv_heads, block_size / 4, dim, 4]: four keys' elements side by side). The decode op then
+`k_scales, v_scales [blocks, kv_heads, block_size]` fp32: key row r of a block is (k_cache[block, head, :, r, :] -
+128) times its scale (K uint8 [blocks, kv_heads, dim / 4, block_size, 4]: four elements of a key side by side, a
+block's keys after each other), and value row r is v_cache[block, head, r // 4, :, r % 4] times its scale (V int8
+[blocks, kv_heads, block_size / 4, dim, 4]: four keys' elements side by side). The decode op then
 also rounds each query head to int8 levels (its largest |element| / 127) and each head's softmax weights times the
 keys' V scales to uint8 levels (their largest / 255), so that both passes multiply bytes.
 

@@ -1,7 +1,7 @@
 // The mask of a vector's first lanes (AVX-512), shared by decode attention (paged_attention.cpp), the greedy head's
-// screen (greedy_head.cpp) and the sampler (sample.cpp); and sixteen of a row's fp32, bf16 or fp16 values as fp32
-// (-inf in the lanes past a mask), shared by attention, the per-token ops (pointwise.cpp), the argmax (argmax.cpp)
-// and the sampler.
+// screen (greedy_head.cpp) and the sampler (sample.cpp); sixteen of a row's fp32, bf16 or fp16 values as fp32 (-inf
+// in the lanes past a mask), shared by attention, the per-token ops (pointwise.cpp), the argmax (argmax.cpp) and the
+// sampler; and sixteen fp32 values stored as fp32 or bf16 (attention, the per-token ops).
 #pragma once
 
 #if defined(__AVX512F__)
@@ -27,6 +27,14 @@ inline __m512 load_row16(const c10::BFloat16* x) {
 inline __m512 load_row16(const c10::Half* x) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
 }
+
+// And back: sixteen fp32 values stored as a row's fp32 or bf16 (rounded to nearest even).
+inline void store_row16(float* x, __m512 v) { _mm512_storeu_ps(x, v); }
+#if defined(__AVX512BF16__)
+inline void store_row16(c10::BFloat16* x, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), (__m256i)_mm512_cvtneps_pbh(v));
+}
+#endif
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)  // the bf16 tail's masked load: BW+VL
 // The lanes past `mask` read nothing and hold -inf, which neither a max nor a weight e^(x - max) takes.

@@ -58,33 +58,21 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 #if defined(__AVX512F__)
 // The lane sums of 16 vectors as one vector: out[j] = sum of v[j]'s lanes. A transposing add tree, ~3 instructions
-// per vector where reducing each on its own takes ~8. `add` sums two vectors lane by lane: the shuffles only move
-// bits, so the same tree sums int32 lanes (sum_lanes_16_epi32).
-template <typename Add>
-inline __m512 sum_lanes_16(const __m512* v, const Add& add) {
+// per vector where reducing each on its own takes ~8.
+inline __m512 sum_lanes_16(const __m512* v) {
   __m512 pairs[8], quads[4];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: [v0 0+2, v1 0+2, v0 1+3, v1 1+3]
-    pairs[i] = add(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
   for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the partial sums of four vectors, in order
     const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
   // The four 128-bit lanes of each quad summed, quads 0-3 becoming lanes 0-3 of the result.
-  const __m512 x = add(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
-  const __m512 y = add(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
-  return add(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
-}
-
-inline __m512 sum_lanes_16(const __m512* v) {
-  return sum_lanes_16(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
-}
-
-inline __m512i sum_lanes_16_epi32(const __m512i* v) {
-  __m512 bits[16];
-  for (int i = 0; i < 16; ++i) bits[i] = _mm512_castsi512_ps(v[i]);
-  return _mm512_castps_si512(sum_lanes_16(bits, [](__m512 a, __m512 b) {
-    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
-  }));
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                 _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                 _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
 }
 #endif
 
@@ -127,6 +115,7 @@ inline __mmask16 visible_keys(int64_t first, int64_t position, int64_t sliding_w
 using liteinfer::exp16;
 
 using liteinfer::load_row16;  // 16 elements of a cache row as fp32, in registers
+using liteinfer::store_row16;
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -377,10 +366,84 @@ void parallel_balanced(int64_t n, const Work& work, const Run& run_tasks) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// int8 pools (kernels/__init__.py gives their layout): both passes multiply bytes with vpdpbusd, 64 products an
-// instruction where vdpbf16ps takes 32, so the query and the softmax weights are rounded to 8-bit levels too.
-#define LITEINFER_DECODE_INT8
+// int8 pools (int8_pools.h gives their layout): the decode kernel's passes multiply bytes with vpdpbusd, 64 products
+// an instruction where vdpbf16ps takes 32, so the query and the softmax weights are rounded to 8-bit levels too; the
+// prompt kernel dequantizes the rows it lays out in panels (int8_key_row, int8_value_row).
+#define LITEINFER_INT8_POOLS
 constexpr bool kInt8Pools = true;
+
+// The group's query heads as the int8 passes take them: each head's bytes, four to an int32 (as vpdpbusd takes
+// them), their sum and the head's scale (times the attention's).
+struct Int8Queries {
+  const int32_t* quads;
+  const int32_t* sums;
+  const float* scales;
+};
+
+// Scores of query heads g0..g0 + kHeads - 1 against kPanels panels of 16 keys of one int8 K block (int8_pools.h),
+// the panels from p0 (counted from the block's start): scores[h * stride + key], key counted from the block's start.
+// A K vector holds four elements of 16 keys, which one vpdpbusd multiplies by the same four query bytes broadcast,
+// so a panel's 16 scores build up in one vector's lanes over the head's quads, with no sum across lanes; kHeads x
+// kPanels independent sums. K is stored as k + 128 (unsigned, as vpdpbusd takes it): q·k = q·K - 128 Σq.
+template <int64_t kDim, int64_t kHeads, int64_t kPanels>
+inline void int8_scores(const uint8_t* block, int64_t block_size, int64_t p0, const Int8Queries& queries, int64_t g0,
+                        const float* row_scales, float* scores, int64_t stride, LineRequests& lines,
+                        int64_t lines_per_quad) {
+  const uint8_t* panels = block + p0 * 64;
+  __m512i dots[kHeads][kPanels];
+  for (int64_t h = 0; h < kHeads; ++h)
+    for (int64_t p = 0; p < kPanels; ++p) dots[h][p] = _mm512_setzero_si512();
+#pragma GCC unroll 32
+  for (int64_t c = 0; c < kDim / 4; ++c) {
+    if (g0 == 0) lines.next(lines_per_quad);  // the first pass over the heads walks on
+    __m512i keys[kPanels];
+    for (int64_t p = 0; p < kPanels; ++p) keys[p] = _mm512_loadu_si512(panels + c * block_size * 4 + p * 64);
+    for (int64_t h = 0; h < kHeads; ++h) {
+      const __m512i quad = _mm512_set1_epi32(queries.quads[(g0 + h) * (kDim / 4) + c]);
+      for (int64_t p = 0; p < kPanels; ++p) dots[h][p] = _mm512_dpbusd_epi32(dots[h][p], keys[p], quad);
+    }
+  }
+  for (int64_t h = 0; h < kHeads; ++h) {
+    const __m512i offset = _mm512_set1_epi32(128 * queries.sums[g0 + h]);
+    const __m512 step = _mm512_set1_ps(queries.scales[g0 + h]);
+    for (int64_t p = 0; p < kPanels; ++p) {
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(dots[h][p], offset));
+      _mm512_storeu_ps(scores + (g0 + h) * stride + (p0 + p) * 16,
+                       _mm512_mul_ps(_mm512_mul_ps(dot, step), _mm512_loadu_ps(row_scales + (p0 + p) * 16)));
+    }
+  }
+}
+
+// Key row `row` of an int8 K block (int8_pools.h) times its scale, into out[0..kDim): the row's groups of four
+// elements lie block_size * 4 bytes apart, 16 groups gathered at a time.
+template <int64_t kDim, typename Out>
+inline void int8_key_row(const uint8_t* block, int64_t block_size, int64_t row, float scale, Out* out) {
+  const __m512i groups = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int32_t>(block_size)));
+  const __m512 step = _mm512_set1_ps(scale), offset = _mm512_set1_ps(128.f);  // (K stored as k + 128)
+  alignas(64) uint8_t bytes[kDim];
+  for (int64_t c = 0; c < kDim / 64; ++c)
+    _mm512_store_si512(bytes + c * 64, _mm512_i32gather_epi32(groups, block + (c * 16 * block_size + row) * 4, 4));
+  for (int64_t d = 0; d < kDim; d += 16) {
+    const __m512i levels = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(bytes + d)));
+    store_row16(out + d, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(levels), offset), step));
+  }
+}
+
+// Value row `row` of an int8 V block (int8_pools.h) times its scale, into out[0..kDim): each 32-bit lane of its
+// quad of rows holds one element of four rows, row % 4 its byte.
+template <int64_t kDim, typename Out>
+inline void int8_value_row(const int8_t* block, int64_t row, float scale, Out* out) {
+  const int8_t* quad = block + row / 4 * kDim * 4;
+  const __m128i up = _mm_cvtsi32_si128(static_cast<int>(24 - 8 * (row % 4)));  // the row's byte to the top, then
+  const __m128i down = _mm_cvtsi32_si128(24);                                     // back, sign-extended
+  const __m512 step = _mm512_set1_ps(scale);
+  for (int64_t d = 0; d < kDim; d += 16) {
+    const __m512i lanes = _mm512_loadu_si512(quad + d * 4);
+    const __m512i levels = _mm512_sra_epi32(_mm512_sll_epi32(lanes, up), down);
+    store_row16(out + d, _mm512_mul_ps(_mm512_cvtepi32_ps(levels), step));
+  }
+}
 #else
 constexpr bool kInt8Pools = false;
 #endif
@@ -394,7 +457,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                       double softcap) {
   constexpr bool kInt8 = std::is_same_v<kv_t, uint8_t>;
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), dim = kDim > 0 ? kDim : q.size(2);
-  const int64_t kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t kv_heads = k_cache.size(1), block_size = k_cache.size(kInt8 ? 3 : 2);  // (int8_pools.h: K's layout)
   const int64_t group = num_heads / kv_heads, table_width = block_tables.size(1);
   const scalar_t* q_data = q.data_ptr<scalar_t>();
   const kv_t* k_data = static_cast<const kv_t*>(k_cache.data_ptr());
@@ -425,11 +488,10 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     std::vector<float> query(group * dim), krows(16 * dim), vblock(block_size * dim), acc(group * dim), scores;
     std::vector<float> denom(group);
     std::vector<uint16_t> weights;  // with bf16 values, their softmax weights as bf16 bits
-    // With int8 pools: the group's queries as bytes, each one's scale and its bytes' sum; the softmax weights times
-    // each key's V scale, in fp32 and as bytes.
-    std::vector<int8_t> query_bytes(group * dim);
-    std::vector<int32_t> query_sum(group);
-    std::vector<float> query_scale(group), weighted;
+    // With int8 pools: the group's queries as bytes (four to an int32, as vpdpbusd takes them), each one's scale
+    // and its bytes' sum; the softmax weights times each key's V scale as bytes.
+    std::vector<int32_t> query_quads(group * dim / 4), query_sum(group);
+    std::vector<float> query_scale(group);
     std::vector<uint8_t> weight_bytes;
     // Blocks lie anywhere in the pool, so the hardware prefetcher cannot run ahead across them: they are requested
     // by hand (measured: DRAM-latency bound without it), into L2 (locality hint 1), not L1, which a few tasks'
@@ -448,7 +510,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         const Task t = task_at(ahead.task);
         if (ahead.start < t.num_keys) {
           const kv_t* block = block_of(ahead.values ? v_data : k_data, t, ahead.start);
-          if constexpr (kInt8) __builtin_prefetch(block_of(ahead.values ? v_scales : k_scales, t, ahead.start), 0, 1);
+          if constexpr (kInt8)  // the block's scales, whole (with 32-token blocks two lines, the second a miss else)
+            LineRequests(block_of(ahead.values ? v_scales : k_scales, t, ahead.start), block_size * 4).rest();
           ahead.start += block_size;
           return LineRequests(block, block_bytes);
         }
@@ -463,11 +526,14 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       const Task t = task_at(task);
       const int64_t first = t.first, first_block = t.first_block, num_keys = t.num_keys, span = num_keys - first;
       const int64_t head = t.seq * num_heads + t.kv_head * group;  // the group's first query head
-      scores.resize(group * span);
+      // A head's scores: the span's keys from `first`; with int8 pools the keys of whole blocks from first_block
+      // (scores are computed a panel of 16 keys at a time), the span's from visible_at.
+      const int64_t score_stride = kInt8 ? (num_keys - first_block + block_size - 1) / block_size * block_size : span;
+      const int64_t visible_at = kInt8 ? first - first_block : 0;
+      scores.resize(group * score_stride);
       if constexpr (kInt8) {
-#if defined(LITEINFER_DECODE_INT8)
-        // Each query head as signed bytes at its own scale (its largest |element| / 127). K is stored as k + 128
-        // (unsigned, as vpdpbusd takes it), so q·k = q·K - 128 Σq.
+#if defined(LITEINFER_INT8_POOLS)
+        // Each query head as signed bytes at its own scale (its largest |element| / 127), with their sum.
         for (int64_t g = 0; g < group; ++g) {
           to_float(q_data + (head + g) * kDim, query.data(), kDim);
           __m512 top = _mm512_setzero_ps();
@@ -479,38 +545,30 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           for (int64_t c = 0; c < kDim / 16; ++c) {
             const __m512i levels = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(query.data() + c * 16), to_levels));
             sum = _mm512_add_epi32(sum, levels);
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(query_bytes.data() + g * kDim + c * 16),
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(query_quads.data() + g * kDim / 4 + c * 4),
                              _mm512_cvtsepi32_epi8(levels));
           }
           query_sum[g] = _mm512_reduce_add_epi32(sum);
           query_scale[g] = static_cast<float>(scale) * largest / 127.f;
         }
-        constexpr int64_t kRowLines = std::max<int64_t>(1, kDim / 64);
+        // Up to four panels (a block's, from the first the span reads) and four heads at once.
+        constexpr int64_t kPanels = 4, kHeads = 4;
+        // The block ahead's lines, requested evenly over the quads of a whole block's passes.
+        const int64_t quad_steps = (block_size / 16 + kPanels - 1) / kPanels * (kDim / 4);
+        const int64_t lines_per_quad = (block_bytes / 64 + quad_steps - 1) / quad_steps;
+        const Int8Queries queries{query_quads.data(), query_sum.data(), query_scale.data()};
         for (int64_t start = first_block; start < num_keys; start += block_size) {
           LineRequests lines = block_ahead();
-          const uint8_t* rows = block_of(k_data, t, start);
+          const uint8_t* block = block_of(k_data, t, start);
           const float* row_scales = block_of(k_scales, t, start);
-          const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
-          for (int64_t p0 = lo - (lo - start) % 16; p0 < hi; p0 += 16) {  // panels of 16 keys from the block's start
-            const int64_t a = std::max(lo, p0) - p0, b = std::min(hi, p0 + 16) - p0;  // the panel's keys read
-            for (int64_t g = 0; g < group; ++g) {
-              __m512i q8[kDim / 64], acc[16];
-              for (int64_t c = 0; c < kDim / 64; ++c)
-                q8[c] = _mm512_loadu_si512(query_bytes.data() + g * kDim + c * 64);
-              for (int64_t r = 0; r < 16; ++r) {
-                acc[r] = _mm512_setzero_si512();
-                if (g == 0) lines.next(kRowLines);
-                for (int64_t c = 0; c < kDim / 64; ++c)
-                  acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512(rows + (p0 - start + r) * kDim + c * 64),
-                                               q8[c]);
-              }
-              const __m512i dots = _mm512_sub_epi32(sum_lanes_16_epi32(acc), _mm512_set1_epi32(128 * query_sum[g]));
-              alignas(64) float panel[16];
-              const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_set1_ps(query_scale[g]));
-              _mm512_store_ps(panel, _mm512_mul_ps(scaled, _mm512_loadu_ps(row_scales + p0 - start)));
-              std::copy(panel + a, panel + b, scores.data() + g * span + (p0 + a - first));
-            }
-          }
+          float* block_scores = scores.data() + (start - first_block);
+          const int64_t lo = std::max(start, first) - start, hi = std::min(start + block_size, num_keys) - start;
+          for_passes<kPanels>(lo / 16, (hi + 15) / 16, [&](auto panels, int64_t p0) {
+            for_passes<kHeads>(0, group, [&](auto heads, int64_t g0) {
+              int8_scores<kDim, heads(), panels()>(block, block_size, p0, queries, g0, row_scales, block_scores,
+                                                  score_stride, lines, lines_per_quad);
+            });
+          });
           lines.rest();
         }
 #endif
@@ -532,77 +590,77 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * span;
+        float* sg = scores.data() + g * score_stride + visible_at;
         if (softcap > 0)
           for (int64_t j = 0; j < span; ++j) sg[j] = static_cast<float>(std::tanh(sg[j] / softcap) * softcap);
         denom[g] = softmax_numerators(sg, span);
       }
       if constexpr (kInt8) {
-#if defined(LITEINFER_DECODE_INT8)
+#if defined(LITEINFER_INT8_POOLS)
         // Values: each key's weight times its V row's scale, as unsigned bytes (255 the head's largest), four keys'
-        // bytes one int that vpdpbusd multiplies by the four keys' interleaved elements. A head's weights lie from
-        // its first block's first key in whole blocks, zero for keys not read.
-        const int64_t stride = (num_keys - first_block + block_size - 1) / block_size * block_size;
-        weighted.assign(group * stride, 0.f);
-        weight_bytes.resize(group * stride);
-        for (int64_t start = first_block; start < num_keys; start += block_size) {
-          const float* row_scales = block_of(v_scales, t, start);
-          const int64_t lo = std::max(start, first), hi = std::min(start + block_size, num_keys);
-          for (int64_t g = 0; g < group; ++g)
-            for (int64_t j = lo; j < hi; ++j)
-              weighted[g * stride + j - first_block] = scores[g * span + j - first] * row_scales[j - start];
-        }
+        // bytes one int that vpdpbusd multiplies by the four keys' interleaved elements. A head's weights lie as
+        // its scores, from its first block's first key in whole blocks, zero for keys not read (their panels'
+        // scores, and their scales, may be anything).
+        weight_bytes.resize(group * score_stride);
         for (int64_t g = 0; g < group; ++g) {
-          const float* wg = weighted.data() + g * stride;
+          float* wg = scores.data() + g * score_stride;
           __m512 top = _mm512_setzero_ps();
-          for (int64_t j = 0; j < stride; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(wg + j));
+          for (int64_t start = first_block; start < num_keys; start += block_size) {
+            const float* row_scales = block_of(v_scales, t, start);
+            for (int64_t j = 0; j < block_size && start + j < num_keys; j += 16) {
+              const int64_t key = start + j;
+              const __mmask16 read = first_lanes(num_keys - key) & ~first_lanes(std::max<int64_t>(0, first - key));
+              const __m512 w = _mm512_maskz_mul_ps(read, _mm512_maskz_loadu_ps(read, wg + key - first_block),
+                                                   _mm512_maskz_loadu_ps(read, row_scales + j));
+              _mm512_storeu_ps(wg + key - first_block, w);
+              top = _mm512_max_ps(top, w);
+            }
+          }
           const float largest = _mm512_reduce_max_ps(top);
           const __m512 to_levels = _mm512_set1_ps(largest > 0 ? 255.f / largest : 0.f);
-          for (int64_t j = 0; j < stride; j += 16) {
+          for (int64_t j = 0; j < num_keys - first_block; j += 16) {
             const __m512i levels = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(wg + j), to_levels));
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(weight_bytes.data() + g * stride + j),
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(weight_bytes.data() + g * score_stride + j),
                              _mm512_cvtusepi32_epi8(levels));
           }
           if (largest > 0) denom[g] *= 255.f / largest;  // the output's sums are in units of largest / 255
         }
-        // The int32 sums move into the fp32 ones every kFlushBlocks blocks: a block adds at most 16 x 255 x 127
-        // to a lane, so they cannot overflow before 4,000 blocks.
-        constexpr int64_t kVecs = kDim / 16, kHeads = std::max<int64_t>(1, 16 / kVecs), kFlushBlocks = 2048;
+        // The int32 sums move into the fp32 ones every flush_keys keys: a key adds at most 255 x 128 to a lane, so
+        // 16,384 keys stay under 2^31.
+        constexpr int64_t kVecs = kDim / 16, kHeads = std::max<int64_t>(1, 16 / kVecs), kFlushKeys = 16384;
         constexpr int64_t kQuadLines = kDim * 4 / 64;
+        const int64_t flush_keys = std::max<int64_t>(1, kFlushKeys / block_size) * block_size;
         std::fill(acc.begin(), acc.end(), 0.f);
         for_passes<kHeads>(0, group, [&](auto heads, int64_t g0) {
-          __m512i a[heads()][kVecs];
-          auto flush = [&]() {
+          for (int64_t from = first_block; from < num_keys; from += flush_keys) {
+            __m512i a[heads()][kVecs];  // (in registers: no reference to them leaves this scope)
+            for (int64_t h = 0; h < heads(); ++h)
+              for (int64_t c = 0; c < kVecs; ++c) a[h][c] = _mm512_setzero_si512();
+            for (int64_t start = from; start < std::min(num_keys, from + flush_keys); start += block_size) {
+              LineRequests lines = g0 == 0 ? block_ahead() : LineRequests(nullptr, 0);  // the first pass walks on
+              const int8_t* quads = reinterpret_cast<const int8_t*>(block_of(v_data, t, start));
+              const uint8_t* w = weight_bytes.data() + g0 * score_stride + (start - first_block);
+              const int64_t n = (std::min(start + block_size, num_keys) - start + 3) / 4;
+              for (int64_t quad = 0; quad < n; ++quad) {
+                lines.next(kQuadLines);
+                __m512i v[kVecs];
+                for (int64_t c = 0; c < kVecs; ++c)
+                  v[c] = _mm512_loadu_si512(quads + liteinfer::v_byte(quad * 4, c * 16, kDim));
+                for (int64_t h = 0; h < heads(); ++h) {
+                  int32_t four;
+                  std::memcpy(&four, w + h * score_stride + quad * 4, sizeof(four));
+                  const __m512i weights4 = _mm512_set1_epi32(four);
+                  for (int64_t c = 0; c < kVecs; ++c) a[h][c] = _mm512_dpbusd_epi32(a[h][c], weights4, v[c]);
+                }
+              }
+              lines.rest();
+            }
             for (int64_t h = 0; h < heads(); ++h)
               for (int64_t c = 0; c < kVecs; ++c) {
                 float* dst = acc.data() + (g0 + h) * kDim + c * 16;
                 _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), _mm512_cvtepi32_ps(a[h][c])));
-                a[h][c] = _mm512_setzero_si512();
               }
-          };
-          for (int64_t h = 0; h < heads(); ++h)
-            for (int64_t c = 0; c < kVecs; ++c) a[h][c] = _mm512_setzero_si512();
-          for (int64_t start = first_block, blocks = 1; start < num_keys; start += block_size, ++blocks) {
-            LineRequests lines = g0 == 0 ? block_ahead() : LineRequests(nullptr, 0);  // the first pass walks on
-            const int8_t* quads = reinterpret_cast<const int8_t*>(block_of(v_data, t, start));
-            const uint8_t* w = weight_bytes.data() + g0 * stride + (start - first_block);
-            const int64_t n = (std::min(start + block_size, num_keys) - start + 3) / 4;
-            for (int64_t quad = 0; quad < n; ++quad) {
-              lines.next(kQuadLines);
-              __m512i v[kVecs];
-              for (int64_t c = 0; c < kVecs; ++c)
-                v[c] = _mm512_loadu_si512(quads + liteinfer::v_byte(quad * 4, c * 16, kDim));
-              for (int64_t h = 0; h < heads(); ++h) {
-                int32_t four;
-                std::memcpy(&four, w + h * stride + quad * 4, sizeof(four));
-                const __m512i weights4 = _mm512_set1_epi32(four);
-                for (int64_t c = 0; c < kVecs; ++c) a[h][c] = _mm512_dpbusd_epi32(a[h][c], weights4, v[c]);
-              }
-            }
-            lines.rest();
-            if (blocks % kFlushBlocks == 0) flush();
           }
-          flush();
         });
 #endif
       } else
@@ -738,30 +796,32 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   }, run_tasks);
 }
 
-// What both attention ops ask of q and the pools: the pools in q's dtype, or int8 pools (uint8 K, int8 V
-// [blocks, kv_heads, block_size / 4, dim, 4]) with their rows' scales [blocks, kv_heads, block_size] fp32; true for
-// int8 pools.
+// What both attention ops ask of q and the pools: the pools in q's dtype, or int8 pools (int8_pools.h) with their
+// rows' scales; true for int8 pools.
 bool check_query_and_pools(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales) {
   const bool int8 = k_scales.has_value();
   TORCH_CHECK(int8 == v_scales.has_value(), "give both pools' scales or neither");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "expected q [queries, heads, dim] and pools [blocks, kv_heads, "
-              "block_size, dim]");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0,
-              "q's head size or head count does not fit the pools");
+  TORCH_CHECK(q.dim() == 3, "expected q [queries, heads, dim]");
   TORCH_CHECK(liteinfer::PoolRuns::of(v_cache) == liteinfer::PoolRuns::of(k_cache),
               "the K and V pools' runs must lie alike (pool_runs.h)");
-  if (!int8) {
-    TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "expected K and V pools of one shape");
+  int64_t dim;
+  if (int8) {
+    const liteinfer::Int8Pools pools = liteinfer::check_int8_pools(k_cache, v_cache, *k_scales, *v_scales);
+    TORCH_CHECK(kInt8Pools, "int8 pools need a CPU with AVX-512 VNNI (kernels.int8_pools_available())");
+    TORCH_CHECK((pools.dim == 64 || pools.dim == 128) && pools.block_size % 16 == 0,
+                "int8 pools take head sizes 64 and 128 and blocks of a multiple of 16 keys");
+    dim = pools.dim;
+  } else {
+    TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+                "expected K and V pools [blocks, kv_heads, block_size, dim] of one shape");
     TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
                 "q and the pools must share a dtype");
-    return false;
+    dim = k_cache.size(3);
   }
-  liteinfer::check_int8_pools(k_cache, v_cache, *k_scales, *v_scales);
-  TORCH_CHECK(kInt8Pools, "int8 pools need a CPU with AVX-512 VNNI (kernels.int8_pools_available())");
-  TORCH_CHECK((q.size(2) == 64 || q.size(2) == 128) && k_cache.size(2) % 16 == 0,
-              "int8 pools take head sizes 64 and 128 and blocks of a multiple of 16 keys");
-  return true;
+  TORCH_CHECK(q.size(2) == dim && q.size(1) % k_cache.size(1) == 0,
+              "q's head size or head count does not fit the pools");
+  return int8;
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -776,7 +836,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const at::Tensor q_ = q.contiguous(), tables = block_tables.contiguous(), pos = positions.contiguous();
   at::Tensor out = at::empty_like(q_);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-#if defined(LITEINFER_DECODE_INT8)
+#if defined(LITEINFER_INT8_POOLS)
     if (int8) {
       const float* ks = k_scales->data_ptr<float>();
       const float* vs = v_scales->data_ptr<float>();
@@ -1046,10 +1106,10 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
                        const at::Tensor& starts_t, const at::Tensor& positions, at::Tensor& out, double scale,
                        int64_t sliding_window) {
   constexpr int64_t kRowsPerTask = 16, kPanel = 16;
-  const int64_t num_heads = q.size(1), kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const bool int8 = k_scales != nullptr;
+  const int64_t num_heads = q.size(1), kv_heads = k_cache.size(1), block_size = k_cache.size(int8 ? 3 : 2);
   const int64_t group = num_heads / kv_heads, table_width = block_tables.size(1), spans = starts_t.numel() - 1;
   const scalar_t* q_data = q.data_ptr<scalar_t>();
-  const bool int8 = k_scales != nullptr;
   const scalar_t* k_data = int8 ? nullptr : k_cache.data_ptr<scalar_t>();
   const scalar_t* v_data = int8 ? nullptr : v_cache.data_ptr<scalar_t>();
   const uint8_t* k_bytes = int8 ? k_cache.data_ptr<uint8_t>() : nullptr;
@@ -1088,13 +1148,14 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
         if (key <= last) {
           const int64_t block = tables[s * table_width + key / block_size], row = key % block_size;
           const int64_t offset = runs.start(block, h, block_size * kDim) + row * kDim;
-          if (int8) {  // K stored as k + 128; V with four keys' elements side by side (kernels/__init__.py)
+          if (int8) {
+#if defined(LITEINFER_INT8_POOLS)
             const int64_t scale_at = runs.start(block, h, block_size) + row;
-            const int8_t* v_block = v_bytes + runs.start(block, h, block_size * kDim);
-            for (int64_t d = 0; d < kDim; ++d) {
-              k_row[d] = Panel((static_cast<int32_t>(k_bytes[offset + d]) - 128) * k_scales[scale_at]);
-              v_rows[j % 2][d] = Panel(v_block[liteinfer::v_byte(row, d, kDim)] * v_scales[scale_at]);
-            }
+            int8_key_row<kDim>(k_bytes + runs.start(block, h, block_size * kDim), block_size, row,
+                               k_scales[scale_at], k_row);
+            int8_value_row<kDim>(v_bytes + runs.start(block, h, block_size * kDim), row, v_scales[scale_at],
+                                 v_rows[j % 2]);
+#endif
             k = k_row, v = v_rows[j % 2];
           } else if constexpr (kBf16) {
             k = k_data + offset, v = v_data + offset;

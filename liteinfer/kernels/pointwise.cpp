@@ -130,16 +130,13 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define LITEINFER_VECTORS16
-// fp32 and bf16 values 16 lanes at a time, in fp32 (lanes16.h's load_row16), and the rounding to T that PyTorch's
-// ops do between them.
+// fp32 and bf16 values 16 lanes at a time, in fp32 (lanes16.h's load_row16 and store_row16), and the rounding to T
+// that PyTorch's ops do between them.
 using liteinfer::load_row16;
+using liteinfer::store_row16;
 inline __m512 round16(__m512 v, const float*) { return v; }
 inline __m512 round16(__m512 v, const c10::BFloat16*) {  // to bf16 (nearest even) and back
   return liteinfer::widen_bf16((__m256i)_mm512_cvtneps_pbh(v));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
 #endif
 
@@ -157,9 +154,9 @@ inline void rotate_head(const T* __restrict__ x, const T* __restrict__ cos, cons
       const __m512 first = load_row16(x + d), second = load_row16(x + d + half);
       const __m512 cos1 = load_row16(cos + d), sin1 = load_row16(sin + d), cos2 = load_row16(cos + d + half),
                    sin2 = load_row16(sin + d + half);
-      store16(out + d,
+      store_row16(out + d,
               _mm512_sub_ps(round16(_mm512_mul_ps(first, cos1), x), round16(_mm512_mul_ps(second, sin1), x)));
-      store16(out + d + half,
+      store_row16(out + d + half,
               _mm512_add_ps(round16(_mm512_mul_ps(second, cos2), x), round16(_mm512_mul_ps(first, sin2), x)));
     }
   }
@@ -231,7 +228,7 @@ int64_t silu_row16(const T* gate, const T* up, T* o, int64_t size) {
     __m512 scaled = _mm512_mul_ps(g, estimate);
     asm("" : "+v"(scaled));
     const __m512 silu = _mm512_mul_ps(scaled, _mm512_fnmadd_ps(denominator, estimate, _mm512_set1_ps(2.f)));
-    store16(o + d, _mm512_mul_ps(round16(silu, o), load_row16(up + d)));
+    store_row16(o + d, _mm512_mul_ps(round16(silu, o), load_row16(up + d)));
   }
   return d;
 }
@@ -359,18 +356,20 @@ void write_kv_int8_rows(const at::Tensor& k, const at::Tensor& v, uint8_t* k_poo
                         int64_t block_size, int64_t dim, liteinfer::PoolRuns runs) {
   const scalar_t* k_data = k.data_ptr<scalar_t>();
   const scalar_t* v_data = v.data_ptr<scalar_t>();
-  // Row o of a head's block starts at block_row + o (K rows, scales); its V elements lie among the block's V bytes
-  // for the head (int8_pools.h: v_byte), within the quad of rows o / 4.
+  // Row o's scales lie at block_row + o; its K and V elements among the block's bytes for the head (int8_pools.h:
+  // k_byte, v_byte), K's 4 * block_size bytes apart in groups of four, V's in the quad of rows o / 4.
   auto block_row = [&](int64_t t, int64_t h) { return runs.start(blocks[t], h, block_size); };
+  auto k_block = [&](int64_t t, int64_t h) { return k_pool + block_row(t, h) * dim; };
   auto v_block = [&](int64_t t, int64_t h) { return v_pool + block_row(t, h) * dim; };
-  // The slots lie anywhere in the pools, so each token's lines (a K row, the V quad its row is spread over, two
-  // scales) are requested kAhead tokens before they are written: one at a time, the misses took turns (the write
-  // ran ~2.4x as long as the bf16 pools' copy, measured from DRAM).
+  // The slots lie anywhere in the pools, so each token's lines (those its K row is spread over, the V quad its row
+  // is spread over, two scales) are requested kAhead tokens before they are written: one at a time, the misses took
+  // turns (the write ran ~2.4x as long as the bf16 pools' copy, measured from DRAM).
   constexpr int64_t kAhead = 4;
   auto request = [&](int64_t t) {
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t row = block_row(t, h) + offsets[t];
-      for (int64_t line = 0; line < dim; line += 64) __builtin_prefetch(k_pool + row * dim + line, 1, 3);
+      const uint8_t* k_row = k_block(t, h) + liteinfer::k_byte(offsets[t], 0, block_size);
+      for (int64_t d = 0; d < dim; d += 4) __builtin_prefetch(k_row + d * block_size, 1, 3);
       const int8_t* quad = v_block(t, h) + liteinfer::v_byte(offsets[t] / 4 * 4, 0, dim);
       for (int64_t line = 0; line < 4 * dim; line += 64) __builtin_prefetch(quad + line, 1, 3);
       __builtin_prefetch(k_scales + row, 1, 3);
@@ -379,7 +378,7 @@ void write_kv_int8_rows(const at::Tensor& k, const at::Tensor& v, uint8_t* k_poo
   };
   const int64_t strides[2][2] = {{k.stride(0), k.stride(1)}, {v.stride(0), v.stride(1)}};
   at::parallel_for(0, k.size(0), grain(2 * heads * dim), [&](int64_t begin, int64_t end) {
-    const int64_t n = dim;  // a local copy: the byte stores below may alias anything the lambda reaches
+    const int64_t n = dim, keys = block_size;  // local copies: the byte stores below may alias what the lambda reaches
     std::vector<float> row(n);
     std::vector<int32_t> levels(n);
     for (int64_t t = begin; t < std::min(begin + kAhead, end); ++t) request(t);
@@ -402,8 +401,8 @@ void write_kv_int8_rows(const at::Tensor& k, const at::Tensor& v, uint8_t* k_poo
             int8_t* v_row = v_block(t, h) + liteinfer::v_byte(offsets[t], 0, n);  // its elements 4 bytes apart
             for (int64_t d = 0; d < n; ++d) v_row[d * 4] = static_cast<int8_t>(l[d]);
           } else {
-            uint8_t* dst = k_pool + (block_row(t, h) + offsets[t]) * n;
-            for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<uint8_t>(l[d] + 128);
+            uint8_t* k_row = k_block(t, h) + liteinfer::k_byte(offsets[t], 0, keys);
+            for (int64_t d = 0; d < n; ++d) k_row[liteinfer::k_byte(0, d, keys)] = static_cast<uint8_t>(l[d] + 128);
           }
         }
     }
@@ -413,8 +412,8 @@ void write_kv_int8_rows(const at::Tensor& k, const at::Tensor& v, uint8_t* k_poo
 void write_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                    at::Tensor& k_scales, at::Tensor& v_scales, const at::Tensor& slot_blocks,
                    const at::Tensor& slot_offsets) {
-  liteinfer::check_int8_pools(k_cache, v_cache, k_scales, v_scales);
-  const int64_t heads = k_cache.size(1), block_size = k_cache.size(2), dim = k_cache.size(3);
+  const auto [block_size, dim] = liteinfer::check_int8_pools(k_cache, v_cache, k_scales, v_scales);
+  const int64_t heads = k_cache.size(1);
   check_rows_and_slots(k, v, heads, dim, k.scalar_type(), slot_blocks, slot_offsets, k_cache.size(0), block_size);
   LITEINFER_DISPATCH(k.scalar_type(), "write_kv_int8", [&] {
     write_kv_int8_rows<scalar_t>(k, v, k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<int8_t>(),

@@ -166,7 +166,7 @@ class PagedAttention(nn.Module):
         """Plain pools, or int8 ones where the kernels read them (AVX-512 VNNI, heads of 64 or 128, whole panels of 16
         keys a block); otherwise int8 pools are read through `_gather`."""
         return self.k_scales is None or (kernels.int8_pools_available() and self.head_dim in (64, 128)
-                                         and self.k_cache.shape[2] % 16 == 0)
+                                         and self.k_scales.shape[2] % 16 == 0)
 
     def _write_int8(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """The new rows into int8 pools (layout in kernels/__init__.py), each at its own scale: its largest |element|
@@ -181,7 +181,7 @@ class PagedAttention(nn.Module):
             return
         k_levels, k_scales = _int8_levels(k)
         v_levels, v_scales = _int8_levels(v)
-        self.k_cache[blocks, :, offsets] = (k_levels + 128).to(torch.uint8)
+        self.k_cache[blocks, :, :, offsets] = (k_levels + 128).to(torch.uint8).unflatten(-1, (-1, 4))
         self.v_cache[blocks, :, offsets // 4, :, offsets % 4] = v_levels.to(torch.int8)
         self.k_scales[blocks, :, offsets] = k_scales
         self.v_scales[blocks, :, offsets] = v_scales
@@ -196,7 +196,8 @@ class PagedAttention(nn.Module):
         flat = block_tables.flatten()
         keys, values = self.k_cache.index_select(0, flat), self.v_cache.index_select(0, flat)
         if self.k_scales is not None:  # int8 pools, dequantized
-            keys = ((keys.float() - 128) * self.k_scales.index_select(0, flat)[..., None]).to(dtype)
+            keys = keys.transpose(2, 3).flatten(3, 4).float()  # [blocks, kv_heads, block_size, dim]
+            keys = ((keys - 128) * self.k_scales.index_select(0, flat)[..., None]).to(dtype)
             values = values.transpose(-1, -2).flatten(2, 3).float()  # [blocks, kv_heads, block_size, dim]
             values = (values * self.v_scales.index_select(0, flat)[..., None]).to(dtype)
         return tuple(

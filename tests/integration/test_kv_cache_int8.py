@@ -9,6 +9,7 @@ from agreement import BUDGET, CHAT_QUESTIONS, assert_agrees_with_fp32_as_closely
 from test_compiled import generated_code, loops_over_a_pool
 
 from liteinfer import LLM, SamplingParams, kernels
+from liteinfer.cache import KVCache
 from liteinfer.engine.packaged import PackagedDecoder
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -91,6 +92,8 @@ def test_int8_pools_are_refused_where_they_cannot_run(tiny_heads_64):
         LLM(str(tiny_heads_64), kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="int8 runs on CPU"):
         LLM(str(tiny_heads_64), kv_cache_dtype="int8", device="cuda")
+    with pytest.raises(ValueError, match="needs a head size divisible by 4, the model's is 6"):
+        KVCache(1, 2, 16, 1, 6, torch.float32, torch.device("cpu"), int8=True)  # four elements of a key side by side
 
 
 @pytest.mark.slow

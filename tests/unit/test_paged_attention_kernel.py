@@ -506,6 +506,8 @@ def test_kernels_refuse_int8_pools_laid_out_otherwise():
     k, v, ks, vs = attn.k_cache, attn.v_cache, attn.k_scales, attn.v_scales
     with pytest.raises(RuntimeError, match="both pools' scales or neither"):
         op(q, k, v, tables, positions, 1.0, 0, 0.0, ks, None)
+    with pytest.raises(RuntimeError, match=r"int8 K pool is \[blocks, kv_heads, dim / 4, block_size, 4\]"):
+        op(q, k.view(2, 2, 16, 64), v, tables, positions, 1.0, 0, 0.0, ks, vs)  # K rows whole: the bf16 pools' layout
     with pytest.raises(RuntimeError, match=r"int8 V pool is \[blocks, kv_heads, block_size / 4, dim, 4\]"):
         op(q, k, v.view(2, 2, 16, 64), tables, positions, 1.0, 0, 0.0, ks, vs)
     with pytest.raises(RuntimeError, match="K as uint8 and V as int8"):
