@@ -22,9 +22,10 @@ class EngineConfig:
     # Tokens computed per step. None = 2048 with chunked prefill (bounds attention's memory on long prompts),
     # else max(8192, max_model_len) so that any prompt fits in one step.
     max_num_batched_tokens: int | None = None
-    # Tokens per KV block. None = 16 on CUDA, 32 on a CPU: there decode attention reads a block's rows for one KV head
-    # as one run (bf16 heads of 64: 4 KiB at 32), and on an AMD Zen 4 took 0.82-0.88x its time at 32 sequences, the
-    # mixed workload of 256 requests 1-9% faster than at 16 over four paired rounds (docs/benchmarks.md).
+    # Tokens per KV block. None = 16 on CUDA, 32 on a CPU (64 with int8 pools): there decode attention reads a block's
+    # rows for one KV head as one run (heads of 64: 4 KiB at 32 in bf16, at 64 in int8), and on an AMD Zen 4 took
+    # 0.82-0.88x its time at 32 sequences, the mixed workload of 256 requests 1-9% faster than at 16 over four paired
+    # rounds; with int8 pools 64 against 32 1-7% (docs/benchmarks.md).
     block_size: int | None = None
     num_kv_blocks: int | None = None  # None = sized from the memory budget below
     gpu_memory_utilization: float = 0.9  # share of GPU memory the weights + KV cache may take
@@ -70,7 +71,7 @@ class EngineConfig:
             "must be >= 1",
         )
         if self.block_size is None:
-            self.block_size = 16 if self._device_type() == "cuda" else 32
+            self.block_size = 16 if self._device_type() == "cuda" else 64 if self.kv_cache_dtype == "int8" else 32
         require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
                 "must be a power of two")
         require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")

@@ -62,10 +62,11 @@ def test_int8_pools_on_the_gathered_path_depart_from_plain_ones_at_near_ties_onl
 
 def test_int8_pools_hold_nearly_twice_the_tokens(tiny_heads_64):
     """A row of 64 elements takes 64 bytes and a 4-byte scale, against 128 bytes in bf16."""
-    def blocks(**kv_cache):
-        return LLM(str(tiny_heads_64), dtype="bfloat16", **SMALL, **kv_cache).engine.kv_cache.num_blocks
+    def tokens(**kv_cache):
+        cache = LLM(str(tiny_heads_64), dtype="bfloat16", **SMALL, **kv_cache).engine.kv_cache
+        return cache.num_blocks * cache.block_size
 
-    assert blocks(kv_cache_dtype="int8") / blocks() == pytest.approx(128 / 68, rel=0.01)
+    assert tokens(kv_cache_dtype="int8") / tokens() == pytest.approx(128 / 68, rel=0.01)
 
 
 @pytest.mark.usefixtures("one_torch_thread")

@@ -462,7 +462,7 @@ INT8_CASES = dict(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bf
 
 @needs_int8_kernels
 @settings(max_examples=40, deadline=None)
-@given(**INT8_CASES, block_size=st.sampled_from([16, 32]), softcap=st.one_of(st.none(), st.floats(5.0, 50.0)),
+@given(**INT8_CASES, block_size=st.sampled_from([16, 32, 64]), softcap=st.one_of(st.none(), st.floats(5.0, 50.0)),
        threads=st.integers(1, 4))
 def test_decode_kernel_reads_int8_pools_as_the_gathered_path(data, dtype, kv_heads, group, dim, block_size, window,
                                                              softcap, threads):
