@@ -155,9 +155,9 @@ inline void rotate_head(const T* __restrict__ x, const T* __restrict__ cos, cons
       const __m512 cos1 = load_row16(cos + d), sin1 = load_row16(sin + d), cos2 = load_row16(cos + d + half),
                    sin2 = load_row16(sin + d + half);
       store_row16(out + d,
-              _mm512_sub_ps(round16(_mm512_mul_ps(first, cos1), x), round16(_mm512_mul_ps(second, sin1), x)));
+                  _mm512_sub_ps(round16(_mm512_mul_ps(first, cos1), x), round16(_mm512_mul_ps(second, sin1), x)));
       store_row16(out + d + half,
-              _mm512_add_ps(round16(_mm512_mul_ps(second, cos2), x), round16(_mm512_mul_ps(first, sin2), x)));
+                  _mm512_add_ps(round16(_mm512_mul_ps(second, cos2), x), round16(_mm512_mul_ps(first, sin2), x)));
     }
   }
 #endif
