@@ -43,7 +43,7 @@ namespace {
 using liteinfer::packed::BLOCKS, liteinfer::packed::FLOAT_TILES, liteinfer::packed::LINE, liteinfer::packed::Prefetch,
     liteinfer::packed::ROWS, liteinfer::packed::tile_for;
 #if defined(LITEINFER_PACKED_AVX512)
-using liteinfer::packed::Arith, liteinfer::packed::store_outputs;
+using liteinfer::load_row16, liteinfer::packed::store_outputs;
 #endif
 
 constexpr int64_t M_BLOCK = 128;  // rows per pass over W: their x stays in L2 (128 x 1536 bf16: 384 KB)
@@ -109,7 +109,7 @@ void group_outputs(const Outputs& outputs, int64_t b0, int64_t nb, int64_t rows,
     if (stream) {
       alignas(64) T row[GROUP_OUTPUTS];
       gate_row(gate, gate + GROUP_OUTPUTS, row, nb * 16);
-      for (int64_t b = 0; b < nb; ++b) store_outputs<T>(out + b * 16, Arith<T>::widen(row + b * 16), nullptr, true);
+      for (int64_t b = 0; b < nb; ++b) store_outputs<T>(out + b * 16, load_row16(row + b * 16), nullptr, true);
       continue;
     }
 #endif

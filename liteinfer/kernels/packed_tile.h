@@ -20,6 +20,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "lanes16.h"
+
 namespace liteinfer::packed {
 
 constexpr int ROWS = 8;         // rows of x per tile: 8 x 3 sums + 3 weights + 1 broadcast of 32 registers
@@ -40,7 +42,7 @@ struct Prefetch {
 };
 
 #if defined(LITEINFER_PACKED_AVX512)
-// One dtype's load, multiply-add and store of 16 outputs; `pair` inputs per step.
+// One dtype's weights' load and multiply-add; `pair` inputs per step (its outputs are stored through lanes16.h).
 template <typename T>
 struct Arith;
 
@@ -51,8 +53,6 @@ struct Arith<float> {
   static __m512 load(const float* w) { return _mm512_loadu_ps(w); }
   static __m512 broadcast(const float* x) { return _mm512_set1_ps(*x); }
   static __m512 fma(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
-  static __m512 widen(const float* v) { return _mm512_loadu_ps(v); }
-  static void store(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
 };
 
 template <>
@@ -65,25 +65,18 @@ struct Arith<c10::BFloat16> {
     return _mm512_castsi512_ps(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)));
   }
   static __m512 fma(__m512 acc, __m512 w, __m512 x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
-  static __m512 widen(const c10::BFloat16* v) {  // 16 bf16 to fp32: the bits shifted into the high half
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-  }
-  static void store(c10::BFloat16* y, __m512 v) {  // rounded to nearest even, as oneDNN's bf16 output is
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
-  }
 };
 
-// 16 outputs at y: their fp32 sums (+ their bias), in T. `stream` (fp32, whose 16 outputs are one line; y on a line's
-// start): a streaming store, which writes the line to memory without reading it into the cache first
-// (packed_linear.cpp says when that pays).
+// 16 outputs at y: their fp32 sums (+ their bias), in T (bf16 rounded to nearest even, as oneDNN's bf16 output is).
+// `stream` (fp32, whose 16 outputs are one line; y on a line's start): a streaming store, which writes the line to
+// memory without reading it into the cache first (packed_linear.cpp says when that pays).
 template <typename T>
 void store_outputs(T* y, __m512 sum, const T* bias, bool stream = false) {
-  const __m512 v = bias ? _mm512_add_ps(sum, Arith<T>::widen(bias)) : sum;
+  const __m512 v = bias ? _mm512_add_ps(sum, load_row16(bias)) : sum;
   if constexpr (std::is_same_v<T, float>) {
     if (stream) return _mm512_stream_ps(y, v);
   }
-  Arith<T>::store(y, v);
+  store_row16(y, v);
 }
 
 // A tile's sums between the ranges of steps it is run over (tile_steps), for up to ROWS rows by BLOCKS blocks: the
