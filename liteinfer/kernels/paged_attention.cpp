@@ -610,8 +610,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
             for (int64_t j = 0; j < block_size && start + j < num_keys; j += 16) {
               const int64_t key = start + j;
               const __mmask16 read = first_lanes(num_keys - key) & ~first_lanes(std::max<int64_t>(0, first - key));
-              const __m512 w = _mm512_maskz_mul_ps(read, _mm512_maskz_loadu_ps(read, wg + key - first_block),
-                                                   _mm512_maskz_loadu_ps(read, row_scales + j));
+              const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(read, wg + key - first_block),
+                                             _mm512_maskz_loadu_ps(read, row_scales + j));
               _mm512_storeu_ps(wg + key - first_block, w);
               top = _mm512_max_ps(top, w);
             }
@@ -1147,14 +1147,12 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
         const Panel *k = zeros, *v = zeros;
         if (key <= last) {
           const int64_t block = tables[s * table_width + key / block_size], row = key % block_size;
-          const int64_t offset = runs.start(block, h, block_size * kDim) + row * kDim;
+          const int64_t run = runs.start(block, h, block_size * kDim), offset = run + row * kDim;
           if (int8) {
 #if defined(LITEINFER_INT8_POOLS)
             const int64_t scale_at = runs.start(block, h, block_size) + row;
-            int8_key_row<kDim>(k_bytes + runs.start(block, h, block_size * kDim), block_size, row,
-                               k_scales[scale_at], k_row);
-            int8_value_row<kDim>(v_bytes + runs.start(block, h, block_size * kDim), row, v_scales[scale_at],
-                                 v_rows[j % 2]);
+            int8_key_row<kDim>(k_bytes + run, block_size, row, k_scales[scale_at], k_row);
+            int8_value_row<kDim>(v_bytes + run, row, v_scales[scale_at], v_rows[j % 2]);
 #endif
             k = k_row, v = v_rows[j % 2];
           } else if constexpr (kBf16) {
