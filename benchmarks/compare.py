@@ -42,7 +42,14 @@ import psutil
 from benchmarks.metrics import PeakMemory, RequestTrace, check_output_lengths, ratios, summarize
 from benchmarks.record import RESULTS_DIR, provenance, result_stem
 from benchmarks.runners.base import EngineRunner, EngineSpec, runner_class, unavailable
-from benchmarks.workloads import WORKLOAD_NAMES, Workload, WorkloadParams, make_workload, warmup_workload
+from benchmarks.workloads import (
+    WORKLOAD_NAMES,
+    Sampling,
+    Workload,
+    WorkloadParams,
+    make_workload,
+    warmup_workload,
+)
 
 # The ratios the report prints; the JSON holds them for every metric.
 REPORT_RATIOS = {"output_tokens_per_s": "output tok/s", "ttft_p50_ms": "TTFT p50", "itl_p50_ms": "ITL p50",
@@ -135,11 +142,11 @@ def _median_ratio(values: list[float | None]) -> float | None:
     return None if None in values else statistics.median(values)
 
 
-def add_ratios(rows: list[dict], baseline: str) -> None:
+def add_ratios(rows: list[dict], baseline: str, greedy: bool = True) -> None:
     """Each row's metrics divided by the baseline's, round by round (the baseline's measurement of the same round),
-    as the median of those ratios ("vs_baseline") and each round's ("vs_baseline_rounds"); and how many of its
-    greedy outputs are the baseline's token for token (a check that the engines compute the same model; lower
-    precisions legitimately flip near-ties)."""
+    as the median of those ratios ("vs_baseline") and each round's ("vs_baseline_rounds"); and, when the workloads
+    are `greedy`, how many of its outputs are the baseline's token for token (a check that the engines compute the
+    same model; lower precisions legitimately flip near-ties). Sampled outputs are draws, equal only by chance."""
     base = {row["workload"]: row for row in rows if row["engine"] == baseline and row["status"] == "ok"}
     for row in rows:
         if row["status"] == "ok" and row["workload"] in base:
@@ -148,8 +155,9 @@ def add_ratios(rows: list[dict], baseline: str) -> None:
                          zip(row.get("rounds", [row["metrics"]]), other.get("rounds", [other["metrics"]]))]
             row["vs_baseline_rounds"] = per_round
             row["vs_baseline"] = {key: _median_ratio([r[key] for r in per_round]) for key in per_round[0]}
-            row["same_outputs_as_baseline"] = sum(
-                a["token_ids"] == b["token_ids"] for a, b in zip(row["requests"], other["requests"]))
+            if greedy:
+                row["same_outputs_as_baseline"] = sum(
+                    a["token_ids"] == b["token_ids"] for a, b in zip(row["requests"], other["requests"]))
 
 
 def _ratio_cell(row: dict, key: str) -> str:
@@ -187,7 +195,8 @@ def report(record: dict) -> str:
                      f"{m['peak_memory_mib']:.0f}"]
             if baseline:
                 cells += [_ratio_cell(row, key) for key in REPORT_RATIOS]
-                cells.append(f"{row.get('same_outputs_as_baseline', '–')}/{len(row['requests'])}")
+                same = row.get("same_outputs_as_baseline")
+                cells.append("–" if same is None else f"{same}/{len(row['requests'])}")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -208,6 +217,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--latency-prompts", type=int, default=defaults.latency_prompts,
                         help="requests of the latency workload (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--temperature", type=float, default=defaults.sampling.temperature,
+                        help="0 (default): every engine greedy; above 0: every engine samples at this temperature")
+    parser.add_argument("--top-p", type=float, default=defaults.sampling.top_p,
+                        help="sampled workloads: the smallest set of tokens with this much probability (default: all)")
+    parser.add_argument("--top-k", type=int, default=defaults.sampling.top_k,
+                        help="sampled workloads: only the k likeliest tokens (default: 0, no limit)")
     parser.add_argument("--warmup-rounds", type=int, default=1)
     parser.add_argument("--warmup-output-len", type=int, default=16, help="output tokens per warm-up request")
     parser.add_argument("--threads", type=int, default=psutil.cpu_count(logical=False) or os.cpu_count(),
@@ -233,8 +248,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown := set(args.workload_names) - set(WORKLOAD_NAMES):
         parser.error(f"unknown workload(s) {sorted(unknown)}; choose from {', '.join(WORKLOAD_NAMES)}")
     prompt_min, _, prompt_max = args.prompt_len.partition("-")
+    try:
+        sampling = Sampling(args.temperature, args.top_p, args.top_k)
+    except ValueError as exc:
+        parser.error(str(exc))
     args.params = WorkloadParams(args.num_prompts, int(prompt_min), int(prompt_max or prompt_min), args.output_len,
-                                 args.prefix_len, args.latency_prompts, args.seed)
+                                 args.prefix_len, args.latency_prompts, args.seed, sampling)
     return args
 
 
@@ -276,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                 rounds[spec.name].append(row)
         record["rows"] += [combine_rounds(engine_rounds) for engine_rounds in rounds.values()]
     if args.compare:
-        add_ratios(record["rows"], args.compare)
+        add_ratios(record["rows"], args.compare, greedy=args.params.sampling.greedy)
 
     stem = result_stem("compare", args.output_dir)
     stem.with_suffix(".json").write_text(json.dumps(record, indent=2))

@@ -71,7 +71,8 @@ class EngineRunner(ABC):
     `start()` (load the model), `run(requests)` any number of times, `stop()`.
 
     `run` sends every request at once, as one client would, and returns a `RequestTrace` per request in order,
-    each with exactly the forced number of output tokens (EOS ignored, greedy) and a timestamp per token.
+    each with exactly the forced number of output tokens (EOS ignored; greedy, or drawn as the request's `sampling`
+    says) and a timestamp per token.
     """
 
     # How this engine's token timestamps are taken; recorded with every result, so readers know what TTFT and
@@ -110,8 +111,11 @@ def run_step_loop(engine: Any, sampling_params: type, delta: Any, requests: list
     submitted = time.perf_counter()
     ids = [f"bench-{next(_request_ids)}" for _ in requests]
     for request_id, request in zip(ids, requests):
-        params = sampling_params(temperature=0, max_tokens=request.output_len, min_tokens=request.output_len,
-                                 ignore_eos=True, output_kind=delta)
+        sampling = request.sampling
+        params = sampling_params(temperature=sampling.temperature, top_p=sampling.top_p,
+                                 top_k=sampling.top_k or -1,  # -1: no limit, in every vLLM version
+                                 max_tokens=request.output_len, min_tokens=request.output_len, ignore_eos=True,
+                                 output_kind=delta)
         engine.add_request(request_id, {"prompt_token_ids": request.prompt_token_ids}, params)
     traces = {request_id: RequestTrace(submitted, [], []) for request_id in ids}
     while engine.has_unfinished_requests():

@@ -4,8 +4,10 @@ The high-level `Llama` object generates one sequence at a time and silently reus
 calls, so this runner drives `llama_decode` itself: each batch of requests (`llamacpp:bf16:8` for width 8; default:
 all of them) is prefilled together in `llama_batch`es of up to N_BATCH tokens, then decoded one token per
 unfinished sequence per step, each sequence leaving the batch when it has its tokens. The KV cache is cleared
-before every batch, so nothing carries over from one call to the next. Sampling is llama.cpp's greedy sampler
-behind a -inf logit bias on every end-of-generation token, so that exactly the forced number of tokens comes out.
+before every batch, so nothing carries over from one call to the next. Sampling is llama.cpp's greedy sampler, or
+for sampled requests its temperature, top-k, top-p and random draw in that order (the order of `transformers` and
+vLLM; llama.cpp's own default chain truncates before the temperature), behind a -inf logit bias on every
+end-of-generation token, so that exactly the forced number of tokens comes out.
 
 llama.cpp reads GGUF only. Precision `q4_1` (or whatever type the GGUF has) runs the file as it is; `fp32`, `bf16`
 and `fp16` run a copy of the file re-encoded in that type (see `reencode_gguf`), written once into the cache.
@@ -24,6 +26,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import gguf
 import llama_cpp
@@ -32,7 +35,7 @@ from llama_cpp import llama_cpp as C
 
 from benchmarks.metrics import RequestTrace
 from benchmarks.runners.base import EngineRunner
-from benchmarks.workloads import BenchRequest
+from benchmarks.workloads import BenchRequest, Sampling
 
 N_BATCH = 2048  # prompt tokens per llama_decode call
 _REENCODED_TYPES = {
@@ -126,10 +129,8 @@ class LlamaCppRunner(EngineRunner):
         vocab = C.llama_model_get_vocab(self.llama_model)
         n_vocab = C.llama_vocab_n_tokens(vocab)
         end_tokens = [t for t in range(n_vocab) if C.llama_vocab_is_eog(vocab, t)]
-        bias = (C.llama_logit_bias * len(end_tokens))(*[C.llama_logit_bias(t, float("-inf")) for t in end_tokens])
-        self.sampler = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
-        C.llama_sampler_chain_add(self.sampler, C.llama_sampler_init_logit_bias(n_vocab, len(end_tokens), bias))
-        C.llama_sampler_chain_add(self.sampler, C.llama_sampler_init_greedy())
+        self.end_bias = (n_vocab, end_tokens)
+        self.samplers: dict[Sampling, Any] = {}  # a chain for each way the requests sample, made when first asked
 
         self.width = self.spec.options.get("batch", self.max_num_seqs)
         params = C.llama_context_default_params()
@@ -147,9 +148,31 @@ class LlamaCppRunner(EngineRunner):
                         "extra_bufts": extra_bufts,
                         "end_tokens_masked": end_tokens, "system": C.llama_print_system_info().decode().strip()}
 
+    def sampler(self, sampling: Sampling) -> Any:
+        """llama.cpp's sampler chain for `sampling`: end-of-generation tokens masked, then greedy or a draw."""
+        if sampling not in self.samplers:
+            n_vocab, end_tokens = self.end_bias
+            bias = (C.llama_logit_bias * len(end_tokens))(*[C.llama_logit_bias(t, float("-inf")) for t in end_tokens])
+            chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
+            links = [C.llama_sampler_init_logit_bias(n_vocab, len(end_tokens), bias)]
+            if sampling.greedy:
+                links.append(C.llama_sampler_init_greedy())
+            else:
+                links.append(C.llama_sampler_init_temp(sampling.temperature))
+                if sampling.top_k:
+                    links.append(C.llama_sampler_init_top_k(sampling.top_k))
+                if sampling.top_p < 1:
+                    links.append(C.llama_sampler_init_top_p(sampling.top_p, 1))
+                links.append(C.llama_sampler_init_dist(C.LLAMA_DEFAULT_SEED))
+            for link in links:
+                C.llama_sampler_chain_add(chain, link)
+            self.samplers[sampling] = chain
+        return self.samplers[sampling]
+
     def stop(self) -> None:
         C.llama_batch_free(self.batch)
-        C.llama_sampler_free(self.sampler)
+        for chain in self.samplers.values():
+            C.llama_sampler_free(chain)
         C.llama_free(self.ctx)
         C.llama_model_free(self.llama_model)
 
@@ -174,8 +197,10 @@ class LlamaCppRunner(EngineRunner):
         C.llama_memory_clear(C.llama_get_memory(self.ctx), True)
         traces = [RequestTrace(submitted, [], []) for _ in requests]
 
+        samplers = [self.sampler(r.sampling) for r in requests]
+
         def sample(seq: int, index: int, now: float) -> None:
-            traces[seq].token_ids.append(C.llama_sampler_sample(self.sampler, self.ctx, index))
+            traces[seq].token_ids.append(C.llama_sampler_sample(samplers[seq], self.ctx, index))
             traces[seq].token_times.append(now)
 
         # Prefill: every prompt token, N_BATCH at a time; logits only at each prompt's last token, sampled right

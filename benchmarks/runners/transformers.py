@@ -1,6 +1,7 @@
 """Hugging Face `transformers` `generate`: the fair baseline. Requests go in left-padded batches of a chosen width
-(`transformers:bf16:32`; default: all of them), one batch after another, greedy, with `min_new_tokens =
-max_new_tokens` so that EOS never ends a row early. The weights are the very files liteinfer loads."""
+(`transformers:bf16:32`; default: all of them), one batch after another, greedy or sampled as the requests say,
+with `min_new_tokens = max_new_tokens` so that EOS never ends a row early. The weights are the very files liteinfer
+loads."""
 
 from __future__ import annotations
 
@@ -73,11 +74,16 @@ class TransformersRunner(EngineRunner):
         input_ids = torch.tensor([[self.pad_token_id] * pad + r.prompt_token_ids for pad, r in zip(padding, batch)])
         attention_mask = torch.tensor([[0] * pad + [1] * (longest - pad) for pad in padding])
         num_new = max(r.output_len for r in batch)
+        sampling = batch[0].sampling
+        if any(r.sampling != sampling for r in batch):
+            raise ValueError("generate samples a whole batch one way: its requests must share their sampling")
+        # Sampled: temperature, then top-k (0: none; the model's generation config may set one otherwise), then top-p.
+        how = {"do_sample": False} if sampling.greedy else {
+            "do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
         clock = StepClock()
         output = self.hf_model.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-            max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False, pad_token_id=self.pad_token_id,
-            streamer=clock,
+            max_new_tokens=num_new, min_new_tokens=num_new, pad_token_id=self.pad_token_id, streamer=clock, **how,
         )
         new_tokens = output[:, longest:].tolist()
         return [RequestTrace(submitted, clock.times[:r.output_len], new_tokens[row][:r.output_len])

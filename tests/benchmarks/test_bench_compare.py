@@ -4,6 +4,7 @@ import json
 import pickle
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,49 @@ def test_llamacpp_runs_its_native_q4_1_file_without_extra_buffers(tmp_path):
     assert [len(r["token_ids"]) for r in ran["requests"]] == [4, 4]
     refused = rows["llamacpp-q4_1-extra_bufts=no"]
     assert refused["status"] == "failed" and "extra_bufts is true or false" in refused["error"]
+
+
+@pytest.mark.parametrize("spec", ["liteinfer:fp32", "transformers:fp32:2"])
+def test_runners_sample_when_the_requests_ask(spec, tiny_llama_dir):
+    """Sampled requests reach the engine: at temperature 1 a random tiny model's draws leave its greedy tokens (at
+    near-uniform odds over its 1,000 likeliest tokens, a draw equal to all 12 greedy tokens has no practical chance),
+    and each request still gets exactly its forced count."""
+    from benchmarks.runners.base import runner_class
+    from benchmarks.workloads import BenchRequest, Sampling
+
+    parsed = EngineSpec.parse(spec)
+    runner = runner_class(parsed.engine)(parsed, str(tiny_llama_dir), 1, 2, 16)
+    runner.start()
+    try:
+        greedy = [BenchRequest([5, 6, 7], 6), BenchRequest([8, 9], 6)]
+        sampled = [replace(r, sampling=Sampling(temperature=1.0, top_k=1000)) for r in greedy]
+        greedy_tokens = [trace.token_ids for trace in runner.run(greedy)]
+        sampled_tokens = [trace.token_ids for trace in runner.run(sampled)]
+        if parsed.engine == "transformers":  # generate samples a batch one way
+            with pytest.raises(ValueError, match="share their sampling"):
+                runner.run([greedy[0], sampled[1]])
+    finally:
+        runner.stop()
+    assert [len(t) for t in sampled_tokens] == [6, 6] and sampled_tokens != greedy_tokens
+
+
+@pytest.mark.slow
+def test_llamacpp_samples_when_the_requests_ask():
+    """llama.cpp's chain for sampled requests (temperature, top-k, top-p, a draw) in the real model: at temperature
+    1.5 its 16 drawn tokens leave the greedy ones, each request gets its forced count, and greedy stays greedy."""
+    pytest.importorskip("llama_cpp", reason="llama.cpp is optional: pip install -e '.[bench]'")
+    from benchmarks.runners.base import runner_class
+    from benchmarks.workloads import BenchRequest, Sampling
+
+    spec = EngineSpec.parse("llamacpp:fp32")
+    runner = runner_class("llamacpp")(spec, "SmolLM2-135M-Instruct", 2, 2, 64)
+    runner.start()
+    try:
+        greedy = [BenchRequest([1266, 314, 253], 8), BenchRequest([504, 3575, 282, 4194], 8)]
+        sampled = [replace(r, sampling=Sampling(temperature=1.5, top_p=0.99, top_k=200)) for r in greedy]
+        first, drawn, again = (runner.run(requests) for requests in (greedy, sampled, greedy))
+    finally:
+        runner.stop()
+    tokens = [[trace.token_ids for trace in traces] for traces in (first, drawn, again)]
+    assert tokens[0] == tokens[2] and tokens[1] != tokens[0]
+    assert [len(t) for t in tokens[1]] == [8, 8]

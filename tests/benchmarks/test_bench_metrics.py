@@ -20,8 +20,8 @@ from benchmarks.metrics import (  # noqa: E402
     ratios,
     summarize,
 )
-from benchmarks.runners.base import EngineRunner, EngineSpec, unavailable  # noqa: E402
-from benchmarks.workloads import BenchRequest, Workload  # noqa: E402
+from benchmarks.runners.base import EngineRunner, EngineSpec, run_step_loop, unavailable  # noqa: E402
+from benchmarks.workloads import BenchRequest, Sampling, Workload  # noqa: E402
 
 
 def test_percentile_interpolates_between_closest_ranks():
@@ -135,6 +135,50 @@ def test_compare_report_has_ratios_and_output_agreement():
     text = compare.report(record)
     assert "| fast | 1.00 | 250.0 | 500.0 | 10 / 20 | 5.0 / 6.0 | 50 / 60 | 100 | 2.50 |" in text
     assert text.count("| 1/2 |") == 1 and "| gone | skipped: gone is not installed |" in text
+
+    # Sampled outputs are draws: the report counts no agreement for them.
+    sampled = [_row("base", "throughput", 100.0, [[1, 2]]), _row("fast", "throughput", 250.0, [[1, 2]])]
+    compare.add_ratios(sampled, "base", greedy=False)
+    assert "same_outputs_as_baseline" not in sampled[1] and sampled[1]["vs_baseline"]["output_tokens_per_s"] == 2.5
+    text = compare.report(record | {"rows": sampled})
+    assert "| fast | 1.00 | 250.0 | 500.0 | 10 / 20 | 5.0 / 6.0 | 50 / 60 | 100 | 2.50 |" in text
+    assert text.splitlines()[-1].endswith("| – |")
+
+
+def test_sampling_on_the_command_line():
+    args = compare.parse_args(["--temperature", "0.7", "--top-k", "40"])
+    assert args.params.sampling == Sampling(temperature=0.7, top_p=1.0, top_k=40)
+    assert compare.parse_args([]).params.sampling.greedy
+    for refused in (["--top-p", "0.9"], ["--temperature", "-1"], ["--temperature", "1", "--top-p", "0"]):
+        with pytest.raises(SystemExit):
+            compare.parse_args(refused)
+
+
+def test_the_step_loop_asks_the_engine_for_each_requests_sampling():
+    """run_step_loop (liteinfer's and vLLM's runners) hands every request's sampling to the engine's params."""
+
+    class Params:
+        def __init__(self, **fields):
+            self.fields = fields
+
+    class Engine:
+        def __init__(self):
+            self.added = {}
+
+        def add_request(self, request_id, prompt, params):
+            self.added[request_id] = params.fields
+
+        def has_unfinished_requests(self):
+            return False
+
+    engine = Engine()
+    requests = [BenchRequest([1, 2], 3, Sampling(0.8, 0.95, 0)), BenchRequest([3], 2),
+                BenchRequest([4], 2, Sampling(1.0, 1.0, 5))]
+    run_step_loop(engine, Params, "delta", requests)
+    asked = [(f["temperature"], f["top_p"], f["top_k"], f["max_tokens"], f["min_tokens"])
+             for f in engine.added.values()]
+    assert asked == [(0.8, 0.95, -1, 3, 3), (0.0, 1.0, -1, 2, 2), (1.0, 1.0, 5, 2, 2)]
+    assert all(f["ignore_eos"] and f["output_kind"] == "delta" for f in engine.added.values())
 
 
 def test_rounds_give_medians_and_ratios_taken_within_each_round():

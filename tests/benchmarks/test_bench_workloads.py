@@ -12,7 +12,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 pytest.importorskip("psutil", reason="the harness needs the bench extra: pip install -e '.[bench]'")
 pytest.importorskip("matplotlib", reason="the harness needs the bench extra: pip install -e '.[bench]'")
 
-from benchmarks.workloads import WORKLOAD_NAMES, WorkloadParams, make_workload, warmup_workload  # noqa: E402
+from benchmarks.workloads import (  # noqa: E402
+    WORKLOAD_NAMES,
+    Sampling,
+    WorkloadParams,
+    make_workload,
+    warmup_workload,
+)
 
 TOKENS = list(range(17, 1000))  # stands for a vocabulary without its special tokens
 PARAMS = WorkloadParams(num_prompts=8, prompt_min=5, prompt_max=9, output_len=12, prefix_len=20, latency_prompts=3)
@@ -75,3 +81,30 @@ def test_unknown_workload_and_bad_lengths_are_refused():
         make_workload("bursty", PARAMS, TOKENS)
     with pytest.raises(ValueError, match="prompt_min"):
         make_workload("throughput", replace(PARAMS, prompt_min=10, prompt_max=9), TOKENS)
+
+
+def test_greedy_workloads_keep_the_hashes_they_had_before_sampling():
+    """Recorded results name workloads by hash (docs/benchmarks.md): these are PARAMS' hashes as computed before
+    requests carried a sampling."""
+    hashes = {name: make_workload(name, PARAMS, TOKENS).hash for name in WORKLOAD_NAMES}
+    assert hashes == {"throughput": "3244199648103f65", "latency": "0a7a07dce4882430", "prefix": "f8d302509f6243b9",
+                      "mixed": "aa46dfc31a37c2aa"}
+
+
+@pytest.mark.parametrize("name", WORKLOAD_NAMES)
+def test_a_sampled_workload_is_the_same_requests_sampled(name):
+    sampling = Sampling(temperature=0.8, top_p=0.95, top_k=40)
+    greedy = make_workload(name, PARAMS, TOKENS)
+    sampled = make_workload(name, replace(PARAMS, sampling=sampling), TOKENS)
+    assert [replace(r, sampling=Sampling()) for r in sampled.requests] == greedy.requests
+    assert all(r.sampling == sampling for r in sampled.requests) and sampled.hash != greedy.hash
+    assert sampled.describe() == greedy.describe() + ", sampled at temperature 0.8, top-k 40, top-p 0.95"
+    warmup = warmup_workload(name, replace(PARAMS, sampling=sampling), TOKENS, 4)
+    assert all(r.sampling == sampling for r in warmup.requests)
+
+
+def test_impossible_sampling_is_refused():
+    for fields in ({"temperature": -0.1}, {"temperature": 1, "top_p": 0}, {"temperature": 1, "top_p": 1.5},
+                   {"temperature": 1, "top_k": -1}, {"top_p": 0.9}, {"top_k": 5}):
+        with pytest.raises(ValueError):
+            Sampling(**fields)
