@@ -104,23 +104,59 @@ int64_t draw(const float* weights, const float* sums, int64_t n, float u) {
   return 0;  // no token of positive weight (every logit -inf)
 }
 
+// Weights lie in [0, 1] (relative to the row's largest), so their floats' top 12 bits, a positive float's order,
+// are at most 0x3F8 (1.0): the buckets below.
+constexpr int64_t kBuckets = 1024;
+// The histogram's sums in independent copies, consecutive weights in turn: where one copy's adds would wait on each
+// other (a row's weights crowd into few buckets, and each add into the same sum waits for the one before, ~5 cycles
+// through memory), four chains overlap.
+constexpr int64_t kCopies = 4;
+
+inline int64_t bucket_of(float w) { return std::bit_cast<uint32_t>(w) >> 20; }
+
+// The weights of a row's n (rounded up to 16, the tail 0) that lie in bucket b, appended to `out`.
+void bucket_weights_of(const float* weights, int64_t n, int64_t b, std::vector<float>& out) {
+  out.clear();
+#if defined(__AVX512F__)
+  out.resize((n + 15) / 16 * 16 + 16);  // room for a whole vector stored at the last count
+  int64_t count = 0;
+  const __m512i bucket = _mm512_set1_epi32(static_cast<int32_t>(b));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 w = _mm512_loadu_ps(weights + i);
+    const __mmask16 in = _mm512_cmpeq_epi32_mask(_mm512_srli_epi32(_mm512_castps_si512(w), 20), bucket);
+    // Compressed in a register, then stored whole: compressing straight into memory is microcoded on AMD Zen 4
+    // (measured: this pass took a third of a top-p row).
+    _mm512_storeu_ps(out.data() + count, _mm512_maskz_compress_ps(in, w));
+    count += std::popcount(static_cast<uint32_t>(in));
+  }
+  out.resize(count);
+#else
+  for (int64_t i = 0; i < n; ++i)
+    if (bucket_of(weights[i]) == b) out.push_back(weights[i]);
+#endif
+}
+
 // The largest cutoff c such that the weights >= c hold `target` of a measure, their mass or (kCount) their number,
 // without sorting the row: the measure by the top 12 bits of the weights' floats (positive floats order as their
 // bits), the bucket where it reaches the target from the top, then that bucket's weights alone sorted. 0 where every
-// positive weight together falls short. `buckets` has room for 4,096.
+// positive weight together falls short. `buckets` has room for kCopies x kBuckets.
 template <bool kCount>
 float cutoff_reaching(const float* weights, int64_t n, double target, std::vector<double>& buckets,
                       std::vector<float>& bucket_weights) {
-  auto bucket_of = [](float w) { return std::bit_cast<uint32_t>(w) >> 20; };
   std::fill(buckets.begin(), buckets.end(), 0.0);
-  for (int64_t i = 0; i < n; ++i) buckets[bucket_of(weights[i])] += kCount ? (weights[i] > 0.f) : weights[i];
+  const int64_t whole = (n + 15) / 16 * 16;  // (the tail's zeros go to bucket 0, which holds the zeros)
+  for (int64_t i = 0; i < whole; i += kCopies)
+    for (int64_t c = 0; c < kCopies; ++c) {
+      const float w = weights[i + c];
+      buckets[c * kBuckets + bucket_of(w)] += kCount ? (w > 0.f) : w;
+    }
+  for (int64_t c = 1; c < kCopies; ++c)
+    for (int64_t b = 0; b < kBuckets; ++b) buckets[b] += buckets[c * kBuckets + b];
   double above = 0.0;  // the measure of the buckets above the one being looked at
-  int64_t b = static_cast<int64_t>(buckets.size()) - 1;
+  int64_t b = kBuckets - 1;
   for (; b > 0 && above + buckets[b] < target; --b) above += buckets[b];
   if (b == 0) return 0.f;  // bucket 0 holds the zeros
-  bucket_weights.clear();
-  for (int64_t i = 0; i < n; ++i)
-    if (bucket_of(weights[i]) == static_cast<uint32_t>(b)) bucket_weights.push_back(weights[i]);
+  bucket_weights_of(weights, n, b, bucket_weights);
   std::sort(bucket_weights.begin(), bucket_weights.end(), std::greater<float>());
   for (const float w : bucket_weights) {
     above += kCount ? 1.0 : w;
@@ -133,13 +169,20 @@ float cutoff_reaching(const float* weights, int64_t n, double target, std::vecto
 double keep_from(float cutoff, float* weights, float* sums, int64_t n) {
   double total = 0.0;
   for (int64_t c = 0; c < (n + 15) / 16; ++c) {
+#if defined(__AVX512F__)
+    const __m512 w = _mm512_loadu_ps(weights + c * 16);
+    const __m512 kept = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(w, _mm512_set1_ps(cutoff), _CMP_GE_OQ), w);
+    _mm512_storeu_ps(weights + c * 16, kept);
+    sums[c] = _mm512_reduce_add_ps(kept);  // (as row_weights sums them)
+#else
     float sum = 0.f;
     for (int64_t i = c * 16; i < c * 16 + 16; ++i) {
       if (weights[i] < cutoff) weights[i] = 0.f;
       sum += weights[i];
     }
     sums[c] = sum;
-    total += sum;
+#endif
+    total += sums[c];
   }
   return total;
 }
@@ -187,7 +230,7 @@ at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const
     // A row is tens of microseconds: threads pay off over a few.
     at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
       std::vector<float> weights((n + 15) / 16 * 16), sums((n + 15) / 16), bucket_weights;
-      std::vector<double> buckets(4096);
+      std::vector<double> buckets(kCopies * kBuckets);
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* row = data + r * n;
         row_weights(row, n, row_max(row, n), 1.f / t_data[r], weights.data(), sums.data());
