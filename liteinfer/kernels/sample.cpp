@@ -114,7 +114,7 @@ constexpr int64_t kCopies = 4;
 
 inline int64_t bucket_of(float w) { return std::bit_cast<uint32_t>(w) >> 20; }
 
-// The weights of a row's n (rounded up to 16, the tail 0) that lie in bucket b, appended to `out`.
+// The weights of a row's n (rounded up to 16, the tail 0) that lie in bucket b, in `out` (its old contents dropped).
 void bucket_weights_of(const float* weights, int64_t n, int64_t b, std::vector<float>& out) {
   out.clear();
 #if defined(__AVX512F__)
