@@ -451,13 +451,13 @@ constexpr bool kInt8Pools = false;
 // scalar_t: q's dtype; kv_t: the pools', q's own or uint8_t for int8 pools (their rows' scales in k_scales and
 // v_scales). kDim > 0 fixes the head size at compile time, so the loops over it unroll; 0 reads it from q.
 template <typename scalar_t, typename kv_t, int64_t kDim>
-void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t block_size,
                       const float* k_scales, const float* v_scales, const at::Tensor& block_tables,
                       const at::Tensor& positions, at::Tensor& out, double scale, int64_t sliding_window,
                       double softcap) {
   constexpr bool kInt8 = std::is_same_v<kv_t, uint8_t>;
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), dim = kDim > 0 ? kDim : q.size(2);
-  const int64_t kv_heads = k_cache.size(1), block_size = k_cache.size(kInt8 ? 3 : 2);  // (int8_pools.h: K's layout)
+  const int64_t kv_heads = k_cache.size(1);
   const int64_t group = num_heads / kv_heads, table_width = block_tables.size(1);
   const scalar_t* q_data = q.data_ptr<scalar_t>();
   const kv_t* k_data = static_cast<const kv_t*>(k_cache.data_ptr());
@@ -797,38 +797,43 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 }
 
 // What both attention ops ask of q and the pools: the pools in q's dtype, or int8 pools (int8_pools.h) with their
-// rows' scales; true for int8 pools.
-bool check_query_and_pools(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+// rows' scales. Returns whether they are int8 pools and their block size, which their layouts place apart.
+struct CheckedPools {
+  bool int8;
+  int64_t block_size;
+};
+
+CheckedPools check_query_and_pools(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales) {
   const bool int8 = k_scales.has_value();
   TORCH_CHECK(int8 == v_scales.has_value(), "give both pools' scales or neither");
   TORCH_CHECK(q.dim() == 3, "expected q [queries, heads, dim]");
   TORCH_CHECK(liteinfer::PoolRuns::of(v_cache) == liteinfer::PoolRuns::of(k_cache),
               "the K and V pools' runs must lie alike (pool_runs.h)");
-  int64_t dim;
+  int64_t dim, block_size;
   if (int8) {
     const liteinfer::Int8Pools pools = liteinfer::check_int8_pools(k_cache, v_cache, *k_scales, *v_scales);
     TORCH_CHECK(kInt8Pools, "int8 pools need a CPU with AVX-512 VNNI (kernels.int8_pools_available())");
     TORCH_CHECK((pools.dim == 64 || pools.dim == 128) && pools.block_size % 16 == 0,
                 "int8 pools take head sizes 64 and 128 and blocks of a multiple of 16 keys");
-    dim = pools.dim;
+    dim = pools.dim, block_size = pools.block_size;
   } else {
     TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
                 "expected K and V pools [blocks, kv_heads, block_size, dim] of one shape");
     TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
                 "q and the pools must share a dtype");
-    dim = k_cache.size(3);
+    dim = k_cache.size(3), block_size = k_cache.size(2);
   }
   TORCH_CHECK(q.size(2) == dim && q.size(1) % k_cache.size(1) == 0,
               "q's head size or head count does not fit the pools");
-  return int8;
+  return {int8, block_size};
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& positions, double scale,
                                   int64_t sliding_window, double softcap, const std::optional<at::Tensor>& k_scales,
                                   const std::optional<at::Tensor>& v_scales) {
-  const bool int8 = check_query_and_pools(q, k_cache, v_cache, k_scales, v_scales);
+  const auto [int8, block_size] = check_query_and_pools(q, k_cache, v_cache, k_scales, v_scales);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
               "block tables and positions must be int64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && positions.numel() == q.size(0),
@@ -841,19 +846,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       const float* ks = k_scales->data_ptr<float>();
       const float* vs = v_scales->data_ptr<float>();
       if (q.size(2) == 64)
-        return decode_attention<scalar_t, uint8_t, 64>(q_, k_cache, v_cache, ks, vs, tables, pos, out, scale,
-                                                       sliding_window, softcap);
-      return decode_attention<scalar_t, uint8_t, 128>(q_, k_cache, v_cache, ks, vs, tables, pos, out, scale,
-                                                      sliding_window, softcap);
+        return decode_attention<scalar_t, uint8_t, 64>(q_, k_cache, v_cache, block_size, ks, vs, tables, pos, out,
+                                                       scale, sliding_window, softcap);
+      return decode_attention<scalar_t, uint8_t, 128>(q_, k_cache, v_cache, block_size, ks, vs, tables, pos, out,
+                                                      scale, sliding_window, softcap);
     }
 #endif
     switch (q.size(2)) {
-      case 64: return decode_attention<scalar_t, scalar_t, 64>(q_, k_cache, v_cache, nullptr, nullptr, tables, pos,
-                                                              out, scale, sliding_window, softcap);
-      case 128: return decode_attention<scalar_t, scalar_t, 128>(q_, k_cache, v_cache, nullptr, nullptr, tables, pos,
-                                                                out, scale, sliding_window, softcap);
-      default: return decode_attention<scalar_t, scalar_t, 0>(q_, k_cache, v_cache, nullptr, nullptr, tables, pos,
-                                                             out, scale, sliding_window, softcap);
+      case 64: return decode_attention<scalar_t, scalar_t, 64>(q_, k_cache, v_cache, block_size, nullptr, nullptr,
+                                                              tables, pos, out, scale, sliding_window, softcap);
+      case 128: return decode_attention<scalar_t, scalar_t, 128>(q_, k_cache, v_cache, block_size, nullptr, nullptr,
+                                                                tables, pos, out, scale, sliding_window, softcap);
+      default: return decode_attention<scalar_t, scalar_t, 0>(q_, k_cache, v_cache, block_size, nullptr, nullptr,
+                                                             tables, pos, out, scale, sliding_window, softcap);
     }
   });
   return out;
@@ -1101,13 +1106,13 @@ void amx_prompt_tasks(const PromptTasks& t, int64_t begin, int64_t end) {
 // run in its tiles instead (amx_prompt_tasks, above), on the same panels.
 // int8 pools (k_scales and v_scales given) are laid out in panels dequantized, in q's dtype.
 template <typename scalar_t, int64_t kDim>
-void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t block_size,
                        const float* k_scales, const float* v_scales, const at::Tensor& block_tables,
                        const at::Tensor& starts_t, const at::Tensor& positions, at::Tensor& out, double scale,
                        int64_t sliding_window) {
   constexpr int64_t kRowsPerTask = 16, kPanel = 16;
   const bool int8 = k_scales != nullptr;
-  const int64_t num_heads = q.size(1), kv_heads = k_cache.size(1), block_size = k_cache.size(int8 ? 3 : 2);
+  const int64_t num_heads = q.size(1), kv_heads = k_cache.size(1);
   const int64_t group = num_heads / kv_heads, table_width = block_tables.size(1), spans = starts_t.numel() - 1;
   const scalar_t* q_data = q.data_ptr<scalar_t>();
   const scalar_t* k_data = int8 ? nullptr : k_cache.data_ptr<scalar_t>();
@@ -1324,7 +1329,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
                                    const at::Tensor& positions, double scale, int64_t sliding_window,
                                    const std::optional<at::Tensor>& k_scales,
                                    const std::optional<at::Tensor>& v_scales) {
-  const bool int8 = check_query_and_pools(q, k_cache, v_cache, k_scales, v_scales);
+  const auto [int8, block_size] = check_query_and_pools(q, k_cache, v_cache, k_scales, v_scales);
   const float* ks = int8 ? k_scales->data_ptr<float>() : nullptr;
   const float* vs = int8 ? v_scales->data_ptr<float>() : nullptr;
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_starts.scalar_type() == at::kLong &&
@@ -1342,10 +1347,10 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   at::Tensor out = at::empty_like(q_);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
     switch (q.size(2)) {
-      case 64: return prefill_attention<scalar_t, 64>(q_, k_cache, v_cache, ks, vs, tables, starts, pos, out, scale,
-                                                     sliding_window);
-      case 128: return prefill_attention<scalar_t, 128>(q_, k_cache, v_cache, ks, vs, tables, starts, pos, out,
-                                                       scale, sliding_window);
+      case 64: return prefill_attention<scalar_t, 64>(q_, k_cache, v_cache, block_size, ks, vs, tables, starts, pos,
+                                                     out, scale, sliding_window);
+      case 128: return prefill_attention<scalar_t, 128>(q_, k_cache, v_cache, block_size, ks, vs, tables, starts, pos,
+                                                       out, scale, sliding_window);
       default: TORCH_CHECK(false, "paged_prefill_attention takes head sizes 64 and 128, not ", q.size(2));
     }
   });
