@@ -15,13 +15,13 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from collections.abc import Sequence as SequenceABC
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from liteinfer.config import EngineConfig
 from liteinfer.engine.data_parallel import make_engine
 from liteinfer.engine.llm_engine import EngineStats, PromptType, encode_text
-from liteinfer.engine.prompts import Message, check_all, final_outputs_only, pair_prompts, render_chat
+from liteinfer.engine.prompts import Message, check_all, delta_outputs, final_outputs_only, pair_prompts, render_chat
 from liteinfer.outputs import FinishReason, PositionLogprobs, RequestOutput
 from liteinfer.sampling import SamplingParams
 
@@ -142,12 +142,17 @@ class AsyncLLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Submit every prompt at once (they are batched together); the final outputs, in prompt order."""
-        request_ids, queue = await self._submit(final_outputs_only(pair_prompts(prompts, sampling_params)), None)
-        finished: dict[str, RequestOutput] = {}
-        async with aclosing(self._outputs(request_ids, queue)) as outputs:
-            async for output in outputs:
+        request_ids, queue = await self._submit(final_outputs_only(pair_prompts(prompts, sampling_params)), None,
+                                                max_tokens_must_fit=False)
+        unfinished, finished = set(request_ids), {}
+        try:
+            while unfinished:
+                output = await self._next_output(queue)
                 if output.finished:
+                    unfinished.discard(output.request_id)
                     finished[output.request_id] = output
+        finally:
+            self._release(request_ids, unfinished)
         return [finished[request_id] for request_id in request_ids]
 
     async def stream(
@@ -164,11 +169,18 @@ class AsyncLLM:
         prompts: SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         request_ids: SequenceABC[str] | None = None,
+        max_tokens_must_fit: bool = False,
     ) -> AsyncGenerator[StreamEvent, None]:
         """Queue every prompt now — raising `ValueError` or `EngineOverloadedError` before any is queued — and
-        return the events of all of them, in step order. Closing the iterator aborts the unfinished ones."""
-        ids, queue = await self._submit(pair_prompts(list(prompts), sampling_params), request_ids)
-        return self._events(ids, queue)
+        return the events of all of them, in step order. Closing the iterator, or dropping it, aborts the unfinished
+        ones, read or not. The params' `output_kind` says which steps send events: FINAL_ONLY only the last one a
+        sample; CUMULATIVE and DELTA each step. `max_tokens_must_fit`: refuse a request whose prompt and max_tokens
+        exceed the context (a server's rule; otherwise it ends where the context does, finish_reason "length")."""
+        requests = delta_outputs(pair_prompts(list(prompts), sampling_params))
+        ids, queue = await self._submit(requests, request_ids, max_tokens_must_fit)
+        events = self._events(ids, queue)
+        await anext(events)  # into the `try` that aborts the unfinished, before the caller can close or drop it
+        return events
 
     async def abort(self, request_id: str) -> None:
         """End a request now (its reader gets a last event, finish_reason "abort"); unknown ids are ignored."""
@@ -177,7 +189,8 @@ class AsyncLLM:
             self._dispatch([output])
 
     async def _submit(
-        self, requests: list[tuple[PromptType, SamplingParams]], request_ids: SequenceABC[str] | None
+        self, requests: list[tuple[PromptType, SamplingParams]], request_ids: SequenceABC[str] | None,
+        max_tokens_must_fit: bool,
     ) -> tuple[list[str], asyncio.Queue]:
         if self.error is not None:
             raise RuntimeError(f"the engine loop has failed: {self.error!r}")
@@ -192,7 +205,7 @@ class AsyncLLM:
         for request_id in request_ids:  # registered first, so that no output can come before its reader
             self._queues[request_id] = queue
         try:
-            await self._on_engine(self._add_all, request_ids, requests)
+            await self._on_engine(self._add_all, request_ids, requests, max_tokens_must_fit)
         except BaseException as exc:
             for request_id in request_ids:
                 self._queues.pop(request_id, None)
@@ -202,28 +215,35 @@ class AsyncLLM:
         self._wakeup.set()
         return request_ids, queue
 
-    async def _outputs(self, request_ids: list[str], queue: asyncio.Queue) -> AsyncGenerator[RequestOutput, None]:
+    async def _events(self, request_ids: list[str], queue: asyncio.Queue) -> AsyncGenerator[StreamEvent | None, None]:
+        """The events of `submit`'s requests, after a first None that `submit` takes itself: a generator closed or
+        dropped before it has started would not run its `finally`."""
         unfinished = set(request_ids)
+        progress: dict[tuple[str, int], _SampleProgress] = {}
         try:
+            yield None
             while unfinished:
-                output = await queue.get()
-                if isinstance(output, BaseException):
-                    raise RuntimeError("the engine loop failed") from output
+                output = await self._next_output(queue)
                 if output.finished:
                     unfinished.discard(output.request_id)
-                yield output
-        finally:
-            for request_id in request_ids:
-                self._queues.pop(request_id, None)
-            for request_id in unfinished:  # the reader left early (break, cancel, error): free the blocks
-                self._abort_soon(request_id)
-
-    async def _events(self, request_ids: list[str], queue: asyncio.Queue) -> AsyncGenerator[StreamEvent, None]:
-        seen: dict[tuple[str, int], tuple[int, int, bool]] = {}  # (request, sample) -> (tokens, chars, finished)
-        async with aclosing(self._outputs(request_ids, queue)) as outputs:
-            async for output in outputs:
-                for event in _new_events(output, seen):
+                for event in _new_events(output, progress):
                     yield event
+        finally:
+            self._release(request_ids, unfinished)
+
+    async def _next_output(self, queue: asyncio.Queue) -> RequestOutput:
+        output = await queue.get()
+        if isinstance(output, BaseException):
+            raise RuntimeError("the engine loop failed") from output
+        return output
+
+    def _release(self, request_ids: list[str], unfinished: set[str]) -> None:
+        """A submission's reader is done: its queue goes, and requests not finished (the reader left early: break,
+        cancel, close, error) are aborted, freeing their blocks."""
+        for request_id in request_ids:
+            self._queues.pop(request_id, None)
+        for request_id in unfinished:
+            self._abort_soon(request_id)
 
     # ----------------------------------------------------------------------------------------------------------
     # Tokenizer work, run on the engine's thread like everything else that uses the tokenizer
@@ -261,7 +281,8 @@ class AsyncLLM:
         self._update_stats()
         return outputs
 
-    def _add_all(self, request_ids: list[str], requests: list[tuple[PromptType, SamplingParams]]) -> None:
+    def _add_all(self, request_ids: list[str], requests: list[tuple[PromptType, SamplingParams]],
+                 max_tokens_must_fit: bool) -> None:
         new = sum(params.n for _, params in requests)
         if new > self.max_waiting_seqs:  # not a matter of waiting: this could never be queued
             raise ValueError(f"these prompts ask for {new} sequences (n each), more than max_waiting_seqs="
@@ -272,7 +293,7 @@ class AsyncLLM:
                 f"the engine is overloaded: {waiting} sequences would wait, more than max_waiting_seqs="
                 f"{self.max_waiting_seqs}; retry later"
             )
-        for request_id, (prompt, params) in zip(request_ids, check_all(self.engine, requests)):
+        for request_id, (prompt, params) in zip(request_ids, check_all(self.engine, requests, max_tokens_must_fit)):
             self.engine.add_request(request_id, prompt, params)
         self._update_stats()
 
@@ -306,26 +327,37 @@ class AsyncLLM:
         future.add_done_callback(_log_failure)
 
 
-def _new_events(output: RequestOutput, seen: dict[tuple[str, int], tuple[int, int, bool]]) -> list[StreamEvent]:
-    """The events of the samples that advanced (or ended) since `seen`, which is updated."""
+@dataclass
+class _SampleProgress:
+    """What a sample's events have carried so far."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+def _new_events(output: RequestOutput, progress: dict[tuple[str, int], _SampleProgress]) -> list[StreamEvent]:
+    """The events of the samples that advanced (or ended) in `output`, whose samples carry what is new since their
+    previous output (DELTA; FINAL_ONLY's one output carries everything); `progress` adds it up."""
     events = []
     for sample in output.outputs:
-        key = (output.request_id, sample.index)
-        num_tokens, num_chars, was_finished = seen.get(key, (0, 0, False))
-        if len(sample.token_ids) == num_tokens and sample.finished == was_finished:
+        so_far = progress.setdefault((output.request_id, sample.index), _SampleProgress())
+        if not sample.token_ids and not sample.text and sample.finished == so_far.finished:
             continue
-        seen[key] = (len(sample.token_ids), len(sample.text), sample.finished)
+        so_far.text += sample.text
+        so_far.token_ids = so_far.token_ids + sample.token_ids  # a new list: an earlier event keeps its own
+        so_far.finished = sample.finished
         events.append(StreamEvent(
             request_id=output.request_id,
             index=sample.index,
-            text=sample.text,
-            delta=sample.text[num_chars:],  # the engine's text only grows, so the delta is its new tail
-            token_ids=sample.token_ids,
-            new_token_ids=sample.token_ids[num_tokens:],
+            text=so_far.text,
+            delta=sample.text,
+            token_ids=so_far.token_ids,
+            new_token_ids=sample.token_ids,
             finished=sample.finished,
             finish_reason=sample.finish_reason,
             stop_reason=sample.stop_reason,
-            logprobs=None if sample.logprobs is None else sample.logprobs[num_tokens:],
+            logprobs=sample.logprobs,
             num_prompt_tokens=len(output.prompt_token_ids),
             error=output.error,
         ))

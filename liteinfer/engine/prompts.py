@@ -41,14 +41,26 @@ def final_outputs_only(requests: list[tuple[PromptType, SamplingParams]]) -> lis
     return [(prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY)) for prompt, params in requests]
 
 
+def delta_outputs(requests: list[tuple[PromptType, SamplingParams]]) -> list[tuple[PromptType, SamplingParams]]:
+    """The requests that report every step (CUMULATIVE, DELTA) reporting what is new each time (DELTA), for a caller
+    that adds it up itself: the engine then copies nothing that grows with the output. FINAL_ONLY ones stay so."""
+    return [(prompt, params if params.output_kind is RequestOutputKind.FINAL_ONLY
+             else replace(params, output_kind=RequestOutputKind.DELTA)) for prompt, params in requests]
+
+
 def check_all(
-    engine: LLMEngine, requests: list[tuple[PromptType, SamplingParams]]
+    engine: LLMEngine, requests: list[tuple[PromptType, SamplingParams]], max_tokens_must_fit: bool = False
 ) -> list[tuple[PromptType, SamplingParams]]:
     """Every request validated before any is queued, so one bad prompt leaves nothing behind. Prompts come back
-    tokenized, so queuing them does not tokenize twice."""
+    tokenized, so queuing them does not tokenize twice. `max_tokens_must_fit`: a request whose prompt and max_tokens
+    together exceed the context is refused (OpenAI's API and vLLM's server do), not ended where the context ends."""
     checked = []
     for prompt, params in requests:
         text, token_ids = engine.validate_request(prompt, params)
+        room = engine.max_model_len - len(token_ids)
+        if max_tokens_must_fit and params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"max_tokens is too large: {params.max_tokens}. The context holds {engine.max_model_len} "
+                             f"tokens and the prompt has {len(token_ids)}, which leaves {room}")
         checked.append(({"prompt": text, "prompt_token_ids": token_ids}, params))
     return checked
 

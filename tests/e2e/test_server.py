@@ -396,6 +396,14 @@ BAD_REQUESTS = {
     "chat_template_kwargs not an object": ("POST", "/tokenize", {"messages": QUESTION, "chat_template_kwargs": [1]},
                                            400, "chat_template_kwargs"),
     "prompt too long": ("POST", "/v1/completions", TOO_LONG, 400, None),
+    # As OpenAI's API and vLLM's server: refused, where LLM.generate would end the output at the context's end.
+    "max_tokens past the context": ("POST", "/v1/completions", {"prompt": [1] * 500, "max_tokens": 100}, 400,
+                                    "max_tokens"),
+    "max_tokens past the context, chat": ("POST", "/v1/chat/completions",
+                                          {"messages": QUESTION, "max_completion_tokens": 100_000}, 400, "max_tokens"),
+    "stream_options without stream": ("POST", "/v1/completions",
+                                      {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+                                      "stream_options"),
     "bad token id": ("POST", "/detokenize", {"tokens": [-1]}, 400, None),
     # A lone surrogate is valid JSON ("\\ud800") but no text: the tokenizer cannot take it.
     "not Unicode": ("POST", "/v1/completions", {"prompt": "hi \ud800"}, 400, None),

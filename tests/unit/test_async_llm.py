@@ -1,10 +1,12 @@
 """AsyncLLM over a tiny random Llama: batching, streaming, cancellation and backpressure."""
 
 import asyncio
+import gc
+from dataclasses import replace
 
 import pytest
 
-from liteinfer import LLM, SamplingParams
+from liteinfer import LLM, RequestOutputKind, SamplingParams
 from liteinfer.engine.async_llm import AsyncLLM, EngineOverloadedError
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Hello, my name is"]
@@ -92,6 +94,45 @@ def test_stream_with_n_samples_matches_sync_per_sample(llm, sync_llm):
         assert "".join(event.delta for event in mine) == sample.text
         assert mine[-1].token_ids == sample.token_ids and mine[-1].finished
         assert [lp for event in mine for lp in event.logprobs] == sample.logprobs
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
+def test_stream_events_do_not_depend_on_the_output_kind_asked_for(llm, kind):
+    """The events say what they say (text and ids so far, what is new) whichever kind the params ask the engine for:
+    DELTA streams the same events as CUMULATIVE (the default), FINAL_ONLY one event a sample with all of it."""
+    params = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, logprobs=1)
+
+    async def main():
+        async with llm:
+            return (await collect(llm.stream(PROMPTS[0], params)),
+                    await collect(llm.stream(PROMPTS[0], replace(params, output_kind=kind))))
+
+    cumulative, other = asyncio.run(main())
+    without_id = [replace(event, request_id="") for event in cumulative]
+    if kind is RequestOutputKind.DELTA:
+        assert [replace(event, request_id="") for event in other] == without_id
+    else:
+        last = [event for event in without_id if event.finished]
+        assert len(other) == 2 and all(event.finished for event in other)
+        for event, final in zip(sorted(other, key=lambda event: event.index), last, strict=True):
+            mine = [e for e in without_id if e.index == event.index]
+            assert replace(event, request_id="") == replace(
+                final, delta=final.text, new_token_ids=final.token_ids,
+                logprobs=[lp for e in mine for lp in e.logprobs])
+
+
+def test_closing_or_dropping_submitted_events_unread_aborts_the_requests(llm):
+    async def main():
+        async with llm:
+            closed = await llm.submit(PROMPTS[:2], LONG)
+            await closed.aclose()
+            dropped = await llm.submit(PROMPTS[2:], LONG)
+            del dropped
+            gc.collect()
+            await llm.generate(PROMPTS[1], GREEDY)  # a few more steps, for the aborts to have gone through
+            assert_idle_and_all_blocks_free(llm)
+
+    asyncio.run(main())
 
 
 def test_stream_started_later_joins_the_running_batch(llm, sync_llm):

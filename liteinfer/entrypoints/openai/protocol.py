@@ -61,6 +61,8 @@ class SamplingRequest(OpenAIRequest):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError (naming the field first) for values SamplingParams refuses."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is for streamed responses only: set stream to true, or leave it out")
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
         return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs)
 

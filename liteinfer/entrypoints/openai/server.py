@@ -247,7 +247,7 @@ class OpenAIServer:
         request_ids = [f"{batch_id}-{i}" for i in range(len(prompts))]
         arrival = time.monotonic()
         with _user_errors(body):
-            events = await self.llm.submit(prompts, params, request_ids)
+            events = await self.llm.submit(prompts, params, request_ids, max_tokens_must_fit=True)
         return _Batch(batch_id, self.model_name, params.n, request_ids, self.metrics.track(events, arrival))
 
     async def _collect(self, batch: _Batch, request: Request) -> list[_Sample] | None:
