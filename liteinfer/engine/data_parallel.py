@@ -28,7 +28,7 @@ from liteinfer.engine.llm_engine import EngineStats, LLMEngine, PromptType
 from liteinfer.engine.workers import freeze_startup_objects
 from liteinfer.models.source import load_config, load_tokenizer, resolve_model
 from liteinfer.outputs import CompletionOutput, RequestOutput
-from liteinfer.sampling import SamplingParams
+from liteinfer.sampling import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,27 @@ class _Tracked:
     retried: bool = False
     tokens_shown: int = 0  # output tokens (over all samples) in the last output handed out
     last_output: RequestOutput | None = None
+    # A DELTA request runs cumulative on its replica (a retry is matched against what was shown): per sample, the
+    # tokens and characters handed out so far.
+    sent: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def replica_params(self) -> SamplingParams:
+        if self.params.output_kind is RequestOutputKind.DELTA:
+            return replace(self.params, output_kind=RequestOutputKind.CUMULATIVE)
+        return self.params
+
+    def for_caller(self, output: RequestOutput) -> RequestOutput:
+        """A replica's output as the request's kind asks: for DELTA, what each sample has not handed out before."""
+        if self.params.output_kind is not RequestOutputKind.DELTA:
+            return output
+        samples = []
+        for sample in output.outputs:
+            tokens, chars = self.sent.get(sample.index, (0, 0))
+            self.sent[sample.index] = (len(sample.token_ids), len(sample.text))
+            samples.append(replace(sample, text=sample.text[chars:], token_ids=sample.token_ids[tokens:],
+                                   logprobs=None if sample.logprobs is None else sample.logprobs[tokens:]))
+        return replace(output, outputs=samples)
 
 
 class DataParallelEngine:
@@ -137,7 +158,7 @@ class DataParallelEngine:
             output = _ray().get(tracked.replica.actor.abort_request.remote(request_id))
         except _ray().exceptions.RayActorError:
             output = None
-        return output or self._failed(request_id, tracked, "aborted")
+        return self._failed(request_id, tracked, "aborted") if output is None else tracked.for_caller(output)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -196,7 +217,7 @@ class DataParallelEngine:
         tracked.replica = replica
         replica.requests.add(request_id)
         # Not awaited: the prompt was validated here, and the actor runs it before the step sent after it.
-        replica.actor.add_request.remote(request_id, tracked.prompt, tracked.params)
+        replica.actor.add_request.remote(request_id, tracked.prompt, tracked.replica_params)
 
     def _deliver(self, output: RequestOutput) -> RequestOutput | None:
         tracked = self.requests.get(output.request_id)
@@ -205,12 +226,12 @@ class DataParallelEngine:
         if output.finished:
             del self.requests[output.request_id]
             tracked.replica.requests.discard(output.request_id)
-            return output
+            return tracked.for_caller(output)
         num_tokens = sum(len(sample.token_ids) for sample in output.outputs)
         if num_tokens <= tracked.tokens_shown:  # a retry still repeating what was already shown
             return None
         tracked.tokens_shown, tracked.last_output = num_tokens, output
-        return output
+        return tracked.for_caller(output)
 
     def _replica_died(self, replica: _ReplicaHandle, exc: BaseException) -> list[RequestOutput]:
         replica.alive = False
@@ -239,11 +260,11 @@ class DataParallelEngine:
         samples = [replace(sample, finish_reason=sample.finish_reason or "abort") for sample in shown] or [
             CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort") for i in range(tracked.params.n)
         ]
-        return RequestOutput(
+        return tracked.for_caller(RequestOutput(
             request_id=request_id,
             prompt=tracked.prompt["prompt"],
             prompt_token_ids=tracked.prompt["prompt_token_ids"],
             outputs=samples,
             finished=True,
             error=f"request {request_id} failed: {why}",
-        )
+        ))

@@ -2,12 +2,14 @@
 a replica killed mid-run loses no request."""
 
 import gc
+from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from liteinfer import LLM, SamplingParams  # noqa: E402
+from liteinfer import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a Ray cluster and two engine processes: ~30 s
 
@@ -25,8 +27,9 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def expected(tiny_llama_dir):
+    """One engine's greedy output (token ids and text) of each prompt."""
     with LLM(str(tiny_llama_dir), **OPTIONS) as llm:
-        return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY)]
+        return [out.outputs[0] for out in llm.generate(PROMPTS, GREEDY)]
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +53,14 @@ def test_async_llm_streams_over_replicas(cluster, tiny_llama_dir, expected):
             return outputs, streamed
 
     outputs, streamed = asyncio.run(main())
-    assert [out.outputs[0].token_ids for out in outputs] == expected[:8]
-    assert streamed == outputs[0].outputs[0].text
+    assert [out.outputs[0].token_ids for out in outputs] == [sample.token_ids for sample in expected[:8]]
+    assert streamed == expected[0].text
+
 
 def test_two_replicas_serve_32_requests_with_one_engines_greedy_outputs(replicas, expected):
     outputs = replicas.generate(PROMPTS, GREEDY)
     assert [out.prompt for out in outputs] == PROMPTS  # in order
-    assert [out.outputs[0].token_ids for out in outputs] == expected
+    assert [out.outputs[0].token_ids for out in outputs] == [sample.token_ids for sample in expected]
     assert all(out.error is None for out in outputs)
 
 
@@ -77,20 +81,39 @@ def test_each_replica_moved_its_start_up_heap_out_of_the_collectors_reach(replic
 
 
 def test_killing_a_replica_mid_run_loses_no_request(replicas, expected):
-    """Greedy requests of the dead replica are retried on the other one: every request finishes, same tokens."""
+    """Greedy requests of the dead replica are retried on the other one: every request finishes, same tokens; those
+    that report DELTA outputs (half of each replica's) hand out each token and character once, not the retry's
+    replay of them."""
     engine = replicas.engine
+    delta = replace(GREEDY, output_kind=RequestOutputKind.DELTA)
+
+    def reports_delta(i: int) -> bool:  # the requests alternate between the two replicas
+        return i % 4 >= 2
+
     for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"kill-{i}", prompt, GREEDY)
-    finished = {}
+        engine.add_request(f"kill-{i}", prompt, delta if reports_delta(i) else GREEDY)
+    outputs = defaultdict(list)
+
+    def step():
+        for out in engine.step():
+            outputs[out.request_id].append(out.outputs[0])
+
     for _ in range(4):  # both replicas under way
-        finished.update({out.request_id: out for out in engine.step() if out.finished})
+        step()
     victim = engine.replicas[0]
     assert victim.requests, "the victim should hold unfinished requests"
+    shown_delta = [i for i in range(len(PROMPTS)) if reports_delta(i) and outputs[f"kill-{i}"]]
+    assert any(f"kill-{i}" in victim.requests for i in shown_delta), "the victim should hold a DELTA request under way"
     ray.kill(victim.actor, no_restart=True)
     while engine.has_unfinished_requests():
-        finished.update({out.request_id: out for out in engine.step() if out.finished})
+        step()
     assert not victim.alive
-    assert sorted(finished) == sorted(f"kill-{i}" for i in range(len(PROMPTS)))
-    assert [finished[f"kill-{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == expected
-    assert all(out.error is None for out in finished.values())
-
+    assert sorted(outputs) == sorted(f"kill-{i}" for i in range(len(PROMPTS)))
+    for i, sample in enumerate(expected):
+        mine = outputs[f"kill-{i}"]
+        assert mine[-1].finish_reason == "length"
+        if reports_delta(i):
+            assert [t for out in mine for t in out.token_ids] == sample.token_ids
+            assert "".join(out.text for out in mine) == sample.text
+        else:
+            assert mine[-1].token_ids == sample.token_ids and mine[-1].text == sample.text
