@@ -45,6 +45,9 @@ class EngineConfig:
     # torch.compile's graphs replayed as CUDA graphs (engine/compiled.py). True keeps every step on the eager path.
     enforce_eager: bool = True
     seed: int = 0
+    # The most top tokens a request's `logprobs` may ask for at each position (vLLM's option and default); -1: the
+    # whole vocabulary. A step's logprobs are gathered for the largest number any of its rows asks for.
+    max_logprobs: int = 20
     # Ranks the model is sharded over (Megatron-style, one process per rank on this host; see engine/workers.py).
     tensor_parallel_size: int = 1
     # Engine replicas, each of tensor_parallel_size ranks, run as Ray actors; requests go to the least loaded.
@@ -91,6 +94,7 @@ class EngineConfig:
             require(isinstance(getattr(self, flag), bool), flag, "must be a bool")
         require(self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 1,
                 "long_prefill_token_threshold", "must be >= 1")
+        require(self.max_logprobs >= -1, "max_logprobs", "must be >= 0, or -1 for the whole vocabulary")
         require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         require(self.data_parallel_size >= 1, "data_parallel_size", "must be >= 1")
         require(self.ray_address is None or isinstance(self.ray_address, str), "ray_address",

@@ -44,13 +44,18 @@ class LLM:
         request_ids = [f"gen-{next(self._request_ids)}" for _ in requests]
         for request_id, (prompt, params) in zip(request_ids, requests):
             self.engine.add_request(request_id, prompt, params)
-        finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as progress:
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        progress.update(1)
+        unfinished, finished = set(request_ids), {}
+        try:
+            with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as progress:
+                while unfinished and self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        if output.finished and output.request_id in unfinished:
+                            unfinished.discard(output.request_id)
+                            finished[output.request_id] = output
+                            progress.update(1)
+        finally:  # interrupted (Ctrl-C, a failed step): what is left is aborted, not run by the next call unasked
+            for request_id in unfinished:
+                self.engine.abort_request(request_id)
         return [finished[request_id] for request_id in request_ids]
 
     def chat(

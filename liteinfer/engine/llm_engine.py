@@ -193,6 +193,10 @@ class LLMEngine:
         vocab = self.hf_config.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {vocab}), got {params.stop_token_ids}")
+        max_logprobs = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
+        if params.logprobs is not None and params.logprobs > max_logprobs:
+            raise ValueError(f"logprobs asks for {params.logprobs} top tokens, more than this engine's max_logprobs="
+                             f"{self.config.max_logprobs} (an engine option; -1 for the whole vocabulary)")
         if isinstance(prompt, str):
             text, token_ids = prompt, encode_text(self.tokenizer, prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -328,14 +332,13 @@ class LLMEngine:
             self._fork(request, seq)
 
         params = seq.params
-        if token in self.eos_token_ids and not params.ignore_eos:
-            self._finish(seq, "stop", None)
-            return
-        if token in params.stop_token_ids:
-            # As in vLLM, the stop token stays in token_ids but its text only with include_stop_str_in_output.
+        is_eos = token in self.eos_token_ids and not params.ignore_eos
+        if is_eos or token in params.stop_token_ids:
+            # As in vLLM, a stop token (EOS, or one of stop_token_ids: then the stop reason) stays in token_ids but
+            # its text only with include_stop_str_in_output.
             if params.include_stop_str_in_output:
                 seq.detokenizer.step([token])
-            self._finish(seq, "stop", token)
+            self._finish(seq, "stop", None if is_eos else token)
             return
         seq.detokenizer.step([token])
         if seq.detokenizer.stop_reason is not None:

@@ -295,9 +295,9 @@ def _gather_logprobs(
     sampled = logprobs.gather(-1, tokens[:, None])
     sampled_rank = (logprobs > sampled).sum(-1) + 1
     top_values, top_ids = logprobs.topk(min(max(num_top), logprobs.shape[1]), dim=-1)
-    # Every token more likely than the j-th top token is itself in the top list, so its rank can be
-    # counted there instead of over the whole vocab.
-    top_ranks = (top_values[:, None, :] > top_values[:, :, None]).sum(-1) + 1
+    # Every token more likely than the j-th top token is itself in the top list, ahead of it: its rank is where its
+    # value first appears in the (descending) list, so tied tokens share the rank.
+    top_ranks = torch.searchsorted(-top_values, -top_values, side="left") + 1
 
     row_logprobs = sampled.squeeze(-1).tolist()
     tops = []

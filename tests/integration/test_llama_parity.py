@@ -361,6 +361,21 @@ def test_llm_generate_bad_prompt_raises_valueerror_and_queues_nothing(llm, promp
     assert "bad" not in llm.engine.requests
 
 
+def test_logprobs_beyond_max_logprobs_are_refused(llm, tiny_llama_dir):
+    """As vLLM: a request may ask for at most max_logprobs top tokens (20 unless the engine is told otherwise)."""
+    assert llm.engine.config.max_logprobs == 20
+    with pytest.raises(ValueError, match=r"logprobs asks for 21 top tokens, more than this engine's max_logprobs=20"):
+        llm.generate(["A good prompt first", "another"], [SamplingParams(max_tokens=2),
+                                                          SamplingParams(max_tokens=2, logprobs=21)])
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=2, logprobs=20))[0].outputs[0]
+    assert [len(position) for position in out.logprobs] == [20, 20]  # the greedy token is among the top 20
+    with LLM(str(tiny_llama_dir), dtype="float32", max_logprobs=-1) as whole_vocabulary:
+        out = whole_vocabulary.generate("Hello", SamplingParams(temperature=0, max_tokens=1, logprobs=49152))
+    ranks = sorted(logprob.rank for logprob in out[0].outputs[0].logprobs[0].values())
+    assert len(ranks) == 49152 and ranks[0] == 1 and ranks[-1] <= 49152
+
+
 def test_llm_generate_params_count_mismatch_raises_valueerror(llm):
     with pytest.raises(ValueError, match="sampling params"):
         llm.generate(["a", "b"], [SamplingParams()])
@@ -397,6 +412,7 @@ def test_llm_unknown_engine_option_raises_valueerror(tiny_llama_dir):
         ({"device": "tpu"}, "device"),
         ({"scheduler": "fifo"}, "scheduler"),
         ({"enforce_eager": 1}, "enforce_eager"),
+        ({"max_logprobs": -2}, "max_logprobs"),
         # Checked against the model once its config is read.
         ({"max_model_len": 100_000}, "max_model_len"),
         ({"max_num_batched_tokens": 100, "enable_chunked_prefill": False}, "max_num_batched_tokens"),
@@ -436,6 +452,25 @@ def test_engine_abort_running_request_frees_its_blocks(llm):
     assert all_blocks_free(llm)
 
 
+def test_interrupted_generate_leaves_nothing_queued(llm, monkeypatch):
+    """Ctrl-C in the middle of `generate`: its requests are aborted, not run by the next call (which would wait for
+    them and throw their outputs away)."""
+    step, steps = llm.engine.step, 0
+
+    def interrupted_step():
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert not llm.engine.has_unfinished_requests()
+    assert all_blocks_free(llm)
+
+
 def test_engine_abort_waiting_request_before_any_step(llm):
     engine = llm.engine
     engine.add_request("never-run", PROMPTS[1], SamplingParams(n=2, max_tokens=4))
@@ -467,17 +502,26 @@ def test_llm_max_tokens_finishes_with_length(llm, greedy_ref):
     assert (out.finish_reason, out.stop_reason) == ("length", None)
 
 
-def test_llm_stop_token_id_finishes_with_stop_and_the_id(llm, greedy_ref):
+@pytest.mark.parametrize("stop_by", ["stop_token_ids", "eos"])
+def test_llm_stop_token_finishes_with_stop_and_its_text_only_when_asked(llm, greedy_ref, monkeypatch, stop_by):
+    """A token of stop_token_ids, or the model's EOS (vLLM's stop reason None), ends the output with finish_reason
+    "stop"; it is in token_ids, and its text in the text only with include_stop_str_in_output."""
     at = next(i for i in range(4, 24) if greedy_ref.token_ids[i] not in greedy_ref.token_ids[:i])
     stop_id = greedy_ref.token_ids[at]
-    out = greedy(llm, PROMPTS[1], max_tokens=24, stop_token_ids=[stop_id])
-    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    if stop_by == "eos":
+        monkeypatch.setattr(llm.engine, "eos_token_ids", {stop_id})
+        stop = {}
+    else:
+        stop = {"stop_token_ids": [stop_id], "ignore_eos": True}
+
+    def run(**params):
+        return llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=24, **stop, **params))[0].outputs[0]
+
+    out = run()
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id if stop_by == "stop_token_ids" else None)
     assert out.token_ids == greedy_ref.token_ids[: at + 1]  # the stop token is in token_ids ...
     assert out.text == prefix_text(llm, at)  # ... but, as in vLLM, not in the text
-    included = greedy(
-        llm, PROMPTS[1], max_tokens=24, stop_token_ids=[stop_id], include_stop_str_in_output=True
-    )
-    assert included.text == prefix_text(llm, at + 1)
+    assert run(include_stop_str_in_output=True).text == prefix_text(llm, at + 1)
 
 
 def test_llm_stop_string_finishes_with_stop_and_the_string(llm, greedy_ref):
