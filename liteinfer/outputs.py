@@ -62,3 +62,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = field(default=None)
+    # With SamplingParams.prompt_logprobs: each prompt token's logprob and the top tokens at its position (None for
+    # the first token, which nothing predicts).
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

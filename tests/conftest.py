@@ -148,3 +148,18 @@ def sampled_logprobs(sample) -> list[float]:
     """The log-probability of each token a sample (a CompletionOutput) drew: what two engines that compute alike
     give to the bit."""
     return [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
+
+
+def assert_same_prompt_scores(outputs, expected) -> None:
+    """Prompt logprobs as `expected`'s, up to the rounding of a prompt computed otherwise (in other chunks, SDPA sums
+    a chunk's keys in another order: ~3e-6 on the tiny models): the same tokens at each position, their logprobs
+    within 1e-5, and their ranks within the few tokens that lie that near (a prompt token deep in a random model's
+    distribution has neighbours)."""
+    assert [len(out.prompt_logprobs) for out in outputs] == [len(scores) for scores in expected]
+    for out, scores in zip(outputs, expected, strict=True):
+        assert out.prompt_logprobs[0] is None and scores[0] is None
+        for got, want in zip(out.prompt_logprobs[1:], scores[1:], strict=True):
+            assert got.keys() == want.keys()
+            for token, logprob in got.items():
+                assert logprob.logprob == pytest.approx(want[token].logprob, abs=1e-5)
+                assert abs(logprob.rank - want[token].rank) <= 3

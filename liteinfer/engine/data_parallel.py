@@ -100,16 +100,18 @@ class _Tracked:
         return self.params
 
     def for_caller(self, output: RequestOutput) -> RequestOutput:
-        """A replica's output as the request's kind asks: for DELTA, what each sample has not handed out before."""
+        """A replica's output as the request's kind asks: for DELTA, what each sample has not handed out before (the
+        prompt's logprobs in the first output only)."""
         if self.params.output_kind is not RequestOutputKind.DELTA:
             return output
+        prompt_logprobs = None if self.sent else output.prompt_logprobs
         samples = []
         for sample in output.outputs:
             tokens, chars = self.sent.get(sample.index, (0, 0))
             self.sent[sample.index] = (len(sample.token_ids), len(sample.text))
             samples.append(replace(sample, text=sample.text[chars:], token_ids=sample.token_ids[tokens:],
                                    logprobs=None if sample.logprobs is None else sample.logprobs[tokens:]))
-        return replace(output, outputs=samples)
+        return replace(output, outputs=samples, prompt_logprobs=prompt_logprobs)
 
 
 class DataParallelEngine:

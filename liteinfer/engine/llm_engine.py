@@ -20,7 +20,7 @@ from liteinfer.engine.scheduler import Scheduler, StaticScheduler
 from liteinfer.engine.sequence import Request, Sequence
 from liteinfer.engine.workers import ShardSpec, WorkerPool, pack_weights, weights_left_for_onednn
 from liteinfer.models.source import load_config, load_tokenizer, resolve_model
-from liteinfer.outputs import RequestMetrics, RequestOutput
+from liteinfer.outputs import PositionLogprobs, RequestMetrics, RequestOutput
 from liteinfer.sampling import RequestOutputKind, Sampler, SamplerOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -194,9 +194,10 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {vocab}), got {params.stop_token_ids}")
         max_logprobs = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
-        if params.logprobs is not None and params.logprobs > max_logprobs:
-            raise ValueError(f"logprobs asks for {params.logprobs} top tokens, more than this engine's max_logprobs="
-                             f"{self.config.max_logprobs} (an engine option; -1 for the whole vocabulary)")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (asked := getattr(params, name)) is not None and asked > max_logprobs:
+                raise ValueError(f"{name} asks for {asked} top tokens, more than this engine's max_logprobs="
+                                 f"{self.config.max_logprobs} (an engine option; -1 for the whole vocabulary)")
         if isinstance(prompt, str):
             text, token_ids = prompt, encode_text(self.tokenizer, prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -242,6 +243,7 @@ class LLMEngine:
                     params.include_stop_str_in_output, params.min_tokens,
                 ),
                 generator=self._generator(params.seed, index),
+                prompt_logprobs=[None] if params.prompt_logprobs is not None and index == 0 else None,
             )
             for index in range(params.n)
         ]
@@ -292,19 +294,21 @@ class LLMEngine:
         for seq in batch.seqs:
             metrics = self.requests[seq.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
-        sampled, sampler_output = self.runner.execute(batch)
+        result = self.runner.execute(batch)
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             self.block_manager.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, start, start + num_new)
+        for i, positions in result.prompt_logprobs.items():
+            batch.seqs[i].prompt_logprobs += map(self._with_text, positions)
 
         updated: dict[str, Request] = {}
-        for row, i in enumerate(sampled):
+        for row, i in enumerate(result.sampled_seqs):
             seq = batch.seqs[i]
             request = self.requests.get(seq.request_id)
             if request is None:  # failed earlier in this loop and was aborted
                 continue
             try:
-                self._append_token(request, seq, sampler_output, row)
+                self._append_token(request, seq, result.sampled, row)
             except Exception as exc:  # one request's failure must not take the others down
                 logger.exception("request %s failed", request.request_id)
                 request.error = f"{type(exc).__name__}: {exc}"
@@ -326,8 +330,7 @@ class LLMEngine:
         request.metrics.first_token_time = request.metrics.first_token_time or time.monotonic()
         if seq.params.logprobs is not None:
             seq.cumulative_logprob += out.logprobs[row]
-            decode = self.tokenizer.decode
-            seq.logprobs.append({t: replace(lp, decoded_token=decode([t])) for t, lp in out.top_logprobs[row].items()})
+            seq.logprobs.append(self._with_text(out.top_logprobs[row]))
         if seq.index == 0 and request.unforked:
             self._fork(request, seq)
 
@@ -345,6 +348,10 @@ class LLMEngine:
             self._finish(seq, "stop", seq.detokenizer.stop_reason)
         elif seq.num_output_tokens >= seq.max_tokens:
             self._finish(seq, "length", None)
+
+    def _with_text(self, position: PositionLogprobs) -> PositionLogprobs:
+        """A position's logprobs, each with its token's text."""
+        return {t: replace(lp, decoded_token=self.tokenizer.decode([t])) for t, lp in position.items()}
 
     def _fork(self, request: Request, parent: Sequence) -> None:
         """Start samples 1..n-1 from the blocks that hold the parent's prompt (all but a partial last block,

@@ -6,6 +6,8 @@ they change how `forward` runs, never what the scheduler or the sampler see.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
@@ -16,7 +18,9 @@ from liteinfer.engine.sequence import Sequence
 from liteinfer.engine.step_inputs import StepInputs
 from liteinfer.engine.workers import WorkerPool, sampling_hidden
 from liteinfer.layers import AttentionMetadata, PrefillSpan
+from liteinfer.outputs import PositionLogprobs
 from liteinfer.sampling import Sampler, SamplerOutput, SamplingRow
+from liteinfer.sampling.sampler import gather_logprobs
 
 
 class ModelRunner:
@@ -33,17 +37,20 @@ class ModelRunner:
         self.compiled = compiled  # runs the decode-only steps when set (enforce_eager=False)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[int], SamplerOutput | None]:
-        """Run one step; returns the batch positions of the sequences that sampled, and what they sampled.
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        """Run one step: the tokens of the sequences that sample, and the prompt logprobs of those scoring prompt
+        positions this step.
 
         A sequence samples when this step computes its last token (a prefill chunk that stops short of the end
         computes K/V only).
         """
-        input_ids, meta, sampling = self._prepare(batch)
-        sample_rows = torch.tensor([row for _, row in sampling], dtype=torch.long, device=self.device)
-        step = StepInputs(input_ids, meta, sample_rows)
+        input_ids, meta, sampling, scored = self._prepare(batch)
+        score_rows = [row for _, first_row, positions in scored for row in range(first_row, first_row + len(positions))]
+        logit_rows = torch.tensor([row for _, row in sampling] + score_rows, dtype=torch.long, device=self.device)
+        step = StepInputs(input_ids, meta, logit_rows)
         seqs = [batch.seqs[i] for i, _ in sampling]
         rows = [SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator) for seq in seqs]
+        result = StepResult([i for i, _ in sampling])
         try:
             if self.workers is not None:
                 self.workers.send(step)
@@ -51,14 +58,18 @@ class ModelRunner:
                 hidden = self.compiled(step)
             else:
                 hidden = sampling_hidden(self.model, step)
-            if not sampling:
-                return [], None
-            output = self._sample(hidden, rows)
+            if not scored:
+                result.sampled = self._sample(hidden, rows) if sampling else None
+                return result
+            # One head call over every row: with tensor parallelism the other ranks make the same one.
+            logits = self.model.compute_logits(hidden)
+            result.sampled = self.sampler(logits[: len(sampling)], rows) if sampling else None
+            result.prompt_logprobs = self._score_prompts(logits[len(sampling) :], batch, scored)
         except RuntimeError as exc:  # a collective failed: if a worker died, say so rather than how it showed
             if self.workers is not None:
                 self.workers.check(failed=exc)
             raise
-        return [i for i, _ in sampling], output
+        return result
 
     def _sample(self, hidden: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """The LM head and the sampler on the sampling rows' hidden states. A step whose rows all take their logits'
@@ -68,7 +79,25 @@ class ModelRunner:
             return self.sampler(self.model.compute_logits(hidden), rows)
         return self.sampler.from_argmax(argmax.tolist(), rows, lambda held: self.model.compute_logits(hidden[held]))
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[tuple[int, int]]]:
+    def _score_prompts(self, logits: torch.Tensor, batch: ScheduledBatch,
+                       scored: list[tuple[int, int, range]]) -> dict[int, list[PositionLogprobs]]:
+        """The logprobs of the prompt tokens that `logits` (the scored positions' rows, in order) predict, each with
+        the top `prompt_logprobs` tokens at its position; by batch position."""
+        next_tokens, num_top = [], []
+        for i, _, positions in scored:
+            seq = batch.seqs[i]
+            next_tokens += seq.token_ids[positions.start + 1 : positions.stop + 1]
+            num_top += [seq.params.prompt_logprobs] * len(positions)
+        tokens = torch.tensor(next_tokens, dtype=torch.long, device=logits.device)
+        _, tops = gather_logprobs(logits.log_softmax(-1, dtype=torch.float32), tokens, num_top)
+        by_seq, at = {}, 0
+        for i, _, positions in scored:
+            by_seq[i], at = tops[at : at + len(positions)], at + len(positions)
+        return by_seq
+
+    def _prepare(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, AttentionMetadata, list[tuple[int, int]], list[tuple[int, int, range]]]:
         """Lay the step's tokens end to end: generated tokens first, each a decode (attention batches them), then
         each sequence's prompt tokens as one span.
 
@@ -80,8 +109,9 @@ class ModelRunner:
         sequence in a step, each reading the keys up to its own position (this step writes them before attention
         reads): else the preempted sequence would continue from other K/V than it had.
 
-        Returns the input ids, the attention metadata (positions included), and (batch position, row of its last
-        token) of each sequence that samples this step, in row order.
+        Returns the input ids, the attention metadata (positions included), (batch position, row of its last token)
+        of each sequence that samples this step, in row order, and (batch position, row of the first, positions) of
+        the prompt positions scored this step (`Sequence.prompt_positions_to_score`).
         """
         device, block_size = self.device, self.block_size
         # Built as Python lists, turned into tensors once: each torch op on a tiny tensor costs microseconds, several
@@ -94,6 +124,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         prefills: list[PrefillSpan] = []
         sampling: list[tuple[int, int]] = []
+        scored: list[tuple[int, int, range]] = []
 
         def lay(seq: Sequence, start: int, end: int) -> int:
             """Append the rows of positions [start, end) of `seq`; returns the first one's row."""
@@ -122,6 +153,8 @@ class ModelRunner:
             prefills.append(PrefillSpan(row, row + split - start, seq.block_table, split))
             if samples:
                 sampling.append((i, row + split - start - 1))
+            if to_score := seq.prompt_positions_to_score(start, split):
+                scored.append((i, row + to_score.start - start, to_score))
         # Padding is block 0, masked out by position.
         width = max(map(len, decode_tables), default=0)
         padded = [table + [0] * (width - len(table)) for table in decode_tables]
@@ -132,7 +165,16 @@ class ModelRunner:
             decode_block_tables=torch.tensor(padded, dtype=torch.long, device=device).view(len(padded), width),
             prefills=prefills,
         )
-        return torch.tensor(tokens, dtype=torch.long, device=device), meta, sampling
+        return torch.tensor(tokens, dtype=torch.long, device=device), meta, sampling, scored
+
+
+@dataclass
+class StepResult:
+    """What one step gives the engine, by batch position."""
+
+    sampled_seqs: list[int]  # the sequences that sampled, in the order of `sampled`'s rows
+    sampled: SamplerOutput | None = None
+    prompt_logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)  # of those scoring their prompt
 
 
 def cache_slots(block_table: list[int], start: int, end: int, block_size: int) -> tuple[list[int], list[int]]:

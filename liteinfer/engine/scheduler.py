@@ -110,7 +110,8 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            looked_up = not seq.block_table  # forked samples arrive holding their prompt's blocks
+            # Forked samples arrive holding their prompt's blocks; a sequence scoring its prompt computes it all.
+            looked_up = not seq.block_table and not seq.scores_prompt
             if looked_up:
                 seq.block_table = self.block_manager.match_prefix(seq.token_ids, seq.block_hashes)
                 seq.num_computed_tokens = len(seq.block_table) * self.block_manager.block_size

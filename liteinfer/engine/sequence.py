@@ -47,6 +47,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] = field(default_factory=list)
+    # The prompt's logprobs as far as computed (None for the first token), for a request that asks for them (its
+    # first sample only; the others start from that sample's prompt); else None.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     # How far the request's DELTA outputs have carried this sample: output tokens (their logprobs alike), characters.
@@ -56,6 +59,19 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt positions are still to be computed for their logprobs: then none may come from the prefix
+        cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def prompt_positions_to_score(self, start: int, end: int) -> range:
+        """Of positions [start, end), computed this step, those whose logits give a prompt logprob not yet recorded
+        (position p's logits score prompt token p + 1)."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1), min(end, self.num_prompt_tokens - 1))
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -106,10 +122,14 @@ class Request:
         return all(seq.is_finished for seq in self.seqs)
 
     def to_output(self, delta: bool = False) -> RequestOutput:
+        # A DELTA request's prompt logprobs come once, in its first output (by then the prompt has been computed).
+        first = self.seqs[0]
+        prompt_logprobs = None if delta and first.num_reported_tokens else first.prompt_logprobs
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
             outputs=[seq.to_output(delta) for seq in self.seqs],
             finished=self.is_finished,
             metrics=self.metrics,

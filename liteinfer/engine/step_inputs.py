@@ -23,7 +23,8 @@ _HEADER = 5  # num_tokens, num_decodes, max_blocks, num_prefills, num_sample_row
 class StepInputs:
     input_ids: torch.Tensor  # [T]
     meta: AttentionMetadata  # its positions are the tokens' positions
-    sample_rows: torch.Tensor  # [N] rows of the packed batch whose logits are computed (the sampling tokens)
+    sample_rows: torch.Tensor  # [N] rows of the packed batch whose logits are computed: the sampling tokens, then any
+    # prompt positions scored for their logprobs
 
     @property
     def decode_only(self) -> bool:

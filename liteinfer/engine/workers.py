@@ -123,13 +123,14 @@ def model_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
 
 
 def run_step(model: nn.Module, step: StepInputs) -> torch.Tensor | None:
-    """The forward every rank runs: all tokens, then the LM head on the sampling rows (logits on rank 0 only)."""
+    """The forward every rank runs: all tokens, then the LM head on the rows of `step.sample_rows` (logits on rank 0
+    only)."""
     hidden = sampling_hidden(model, step)
     return None if hidden is None else model.compute_logits(hidden)
 
 
 def sampling_hidden(model: nn.Module, step: StepInputs) -> torch.Tensor | None:
-    """The forward over all tokens; the final hidden states of the sampling rows (None when none samples)."""
+    """The forward over all tokens; the final hidden states of the rows of `step.sample_rows` (None when none)."""
     hidden = model(step.input_ids, step.meta.positions, step.meta)
     return hidden[step.sample_rows] if len(step.sample_rows) else None
 

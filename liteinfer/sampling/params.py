@@ -11,7 +11,7 @@ from numbers import Integral, Real
 _GREEDY_TEMPERATURE = 1e-5
 
 _INT_FIELDS = ("n", "top_k", "min_tokens")
-_OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs")
+_OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -56,6 +56,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # top logprobs per position besides the sampled token; 0 = sampled only
+    # Top logprobs at each prompt position besides the prompt's own next token (0: that token only); the first
+    # prompt token has none. Every prompt position is computed: the prefix cache is not looked up for the request.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -121,10 +124,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _require(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value}")
-        _require(
-            self.logprobs is None or self.logprobs >= 0,
-            f"logprobs must be None or >= 0, got {self.logprobs}",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(value is None or value >= 0, f"{name} must be None or >= 0, got {value}")
         _require(all(self.stop), f"stop strings must be non-empty, got {self.stop!r}")
         _require(isinstance(self.output_kind, RequestOutputKind),
                  f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")

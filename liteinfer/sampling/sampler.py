@@ -102,7 +102,7 @@ class Sampler:
         top_logprobs: list[dict[int, Logprob] | None] = [None] * len(rows)
         if raw_logprobs is not None:
             num_top = [params[i].logprobs for i in logprob_rows]
-            row_logprobs, row_tops = _gather_logprobs(raw_logprobs, tokens[logprob_rows], num_top)
+            row_logprobs, row_tops = gather_logprobs(raw_logprobs, tokens[logprob_rows], num_top)
             for i, logprob, top in zip(logprob_rows, row_logprobs, row_tops, strict=True):
                 logprobs[i], top_logprobs[i] = logprob, top
         return SamplerOutput(token_ids, logprobs, top_logprobs)
@@ -288,7 +288,7 @@ def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
     return uniforms
 
 
-def _gather_logprobs(
+def gather_logprobs(
     logprobs: torch.Tensor, tokens: torch.Tensor, num_top: list[int]
 ) -> tuple[list[float], list[dict[int, Logprob]]]:
     """Per row: the sampled token's logprob, and a dict of it plus the row's top num_top tokens."""

@@ -83,20 +83,21 @@ def test_each_replica_moved_its_start_up_heap_out_of_the_collectors_reach(replic
 def test_killing_a_replica_mid_run_loses_no_request(replicas, expected):
     """Greedy requests of the dead replica are retried on the other one: every request finishes, same tokens; those
     that report DELTA outputs (half of each replica's) hand out each token and character once, not the retry's
-    replay of them."""
+    replay of them (their prompt logprobs in the first output alone)."""
     engine = replicas.engine
-    delta = replace(GREEDY, output_kind=RequestOutputKind.DELTA)
+    delta = replace(GREEDY, output_kind=RequestOutputKind.DELTA, prompt_logprobs=0)
 
     def reports_delta(i: int) -> bool:  # the requests alternate between the two replicas
         return i % 4 >= 2
 
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"kill-{i}", prompt, delta if reports_delta(i) else GREEDY)
-    outputs = defaultdict(list)
+    outputs, prompt_scores = defaultdict(list), defaultdict(list)
 
     def step():
         for out in engine.step():
             outputs[out.request_id].append(out.outputs[0])
+            prompt_scores[out.request_id].append(out.prompt_logprobs)
 
     for _ in range(4):  # both replicas under way
         step()
@@ -115,5 +116,7 @@ def test_killing_a_replica_mid_run_loses_no_request(replicas, expected):
         if reports_delta(i):
             assert [t for out in mine for t in out.token_ids] == sample.token_ids
             assert "".join(out.text for out in mine) == sample.text
+            first, *later = prompt_scores[f"kill-{i}"]
+            assert len(first) == len(replicas.tokenizer.encode(PROMPTS[i])) and later == [None] * len(later)
         else:
             assert mine[-1].token_ids == sample.token_ids and mine[-1].text == sample.text

@@ -3,6 +3,7 @@ validation, abort, finish reasons and chat."""
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -87,6 +88,32 @@ def test_llama_generated_logprobs_match_transformers_log_softmax(parity):
                 assert logprob.rank == int((row > row[token_id]).sum()) + 1
         expected_sum = sum(expected[i, t].item() for i, t in enumerate(completion.token_ids))
         assert completion.cumulative_logprob == pytest.approx(expected_sum, abs=1e-3)
+
+
+def test_llama_prompt_logprobs_match_transformers_log_softmax(parity):
+    """prompt_logprobs: each prompt token's logprob with the top 3 at its position (ranks and text too) is
+    transformers' value, the first token's None; the generated tokens are those of a request without them."""
+    llm, hf_model = parity
+    num_top = 3
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, replace(params, prompt_logprobs=num_top))
+    assert [out.outputs[0].token_ids for out in outputs] == [
+        out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
+    for out in outputs:
+        prompt = out.prompt_token_ids
+        expected = hf_logprobs(hf_model, prompt)  # row p: the distribution of token p + 1
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for p, position in enumerate(out.prompt_logprobs[1:]):
+            row, token = expected[p], prompt[p + 1]
+            assert set(row.topk(num_top).indices.tolist()) | {token} == set(position)
+            for token_id, logprob in position.items():
+                value = row[token_id].item()
+                assert logprob.logprob == pytest.approx(value, abs=1e-4)
+                # A prompt token deep in a random model's distribution has thousands of neighbours within the two
+                # implementations' rounding: its rank is checked up to those.
+                assert int((row > value + 1e-4).sum()) < logprob.rank <= int((row > value - 1e-4).sum()) + 1
+                assert logprob.decoded_token == llm.tokenizer.decode([token_id])
+    assert all_blocks_free(llm)
 
 
 @pytest.fixture(scope="module")
@@ -251,12 +278,13 @@ def test_engine_delta_outputs_add_up_to_the_cumulative_ones(tiny_llama_dir):
     tokens, text and logprobs so far, joined, equal the twin's at every step (n > 1, stop strings holding text
     back, logprobs), and an abort's output carries only the rest."""
     engine = LLM(str(tiny_llama_dir), dtype="float32").engine
-    params = dict(n=2, temperature=0.8, seed=3, max_tokens=12, logprobs=2, stop=[" the", "ab"])
+    params = dict(n=2, temperature=0.8, seed=3, max_tokens=12, logprobs=2, prompt_logprobs=1, stop=[" the", "ab"])
     kinds = {"cumulative": RequestOutputKind.CUMULATIVE, "delta": RequestOutputKind.DELTA}
     for name, kind in kinds.items():
         engine.add_request(name, "Hello there", SamplingParams(**params, output_kind=kind))
         engine.add_request(f"{name}-aborted", "Once upon", SamplingParams(**params, output_kind=kind))
     joined = {}  # (request id, sample) -> (token ids, text, logprobs) from the delta outputs so far
+    prompt_scored = set()  # the twins whose delta output has carried the prompt's logprobs (its first one does)
 
     def check(outputs: list[RequestOutput]) -> None:
         """One report (a step's outputs, or the aborts'): the twins come together, and what is joined agrees."""
@@ -266,6 +294,9 @@ def test_engine_delta_outputs_add_up_to_the_cumulative_ones(tiny_llama_dir):
         for twin in by_id.keys() & {"cumulative", "cumulative-aborted"}:
             every, delta = by_id[twin], by_id[twin.replace("cumulative", "delta")]
             assert delta.finished == every.finished
+            assert len(every.prompt_logprobs) == len(every.prompt_token_ids)
+            assert delta.prompt_logprobs == (None if twin in prompt_scored else every.prompt_logprobs)
+            prompt_scored.add(twin)
             for whole, new in zip(every.outputs, delta.outputs, strict=True):
                 tokens, text, logprobs = joined.get((twin, new.index), ([], "", []))
                 joined[twin, new.index] = (tokens + new.token_ids, text + new.text, logprobs + new.logprobs)

@@ -3,7 +3,7 @@
 from dataclasses import replace
 
 import pytest
-from conftest import sampled_logprobs
+from conftest import assert_same_prompt_scores, sampled_logprobs
 
 from liteinfer import LLM, SamplingParams, kernels
 
@@ -111,6 +111,29 @@ def test_chunked_prefill_with_prefix_caching_and_preemption_same_greedy_tokens(t
     outs = llm.generate(PROMPTS, GREEDY)
     assert token_ids(outs) == plain
     assert sum(out.metrics.num_preemptions for out in outs) > 0
+
+
+def test_prompt_logprobs_do_not_depend_on_caching_chunking_or_preemption(tiny_llama):
+    """A request asking for prompt_logprobs computes its whole prompt, cached or not: the same values whether its
+    prompt was cached before (then not looked up), chunked, or computed again after a preemption; n = 3 gives them
+    once, from the first sample; the generated tokens are those of the plain path."""
+    directory, _ = tiny_llama
+    params = replace(GREEDY, prompt_logprobs=2)
+    whole = make_llm(directory, enable_prefix_caching=False, enable_chunked_prefill=False)
+    expected = [out.prompt_logprobs for out in whole.generate(PROMPTS, params)]
+    cached = make_llm(directory, enable_prefix_caching=True, max_num_batched_tokens=32)
+    cached.generate(PROMPTS, GREEDY)  # every prompt's full blocks cached
+    for n in (1, 3):
+        outputs = cached.generate(PROMPTS, replace(params, n=n))
+        assert all(out.num_cached_tokens == 0 for out in outputs)
+        assert_same_prompt_scores(outputs, expected)
+    # As the preemption test above: requests preempt each other while their prompts are chunked.
+    tight = LLM(str(directory), dtype="float32", block_size=16, max_model_len=256, num_kv_blocks=16,
+                max_num_batched_tokens=48, enable_prefix_caching=True, enable_chunked_prefill=True)
+    outputs = tight.generate(PROMPTS, params)
+    assert sum(out.metrics.num_preemptions for out in outputs) > 0
+    assert_same_prompt_scores(outputs, expected)
+    assert token_ids(outputs) == token_ids(whole.generate(PROMPTS, GREEDY))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from conftest import assert_same_prompt_scores
 from parity import one_torch_thread  # noqa: F401 - an autouse fixture
 
 from liteinfer import LLM, SamplingParams
@@ -41,6 +42,20 @@ def test_tp2_greedy_tokens_equal_tp1_with_prefix_caching_and_preemption(tiny_lla
     expected, preemptions, cached = run(directory)
     assert preemptions > 0 and cached > 0, "the test should exercise preemption and prefix caching"
     assert run(directory, tensor_parallel_size=2) == (expected, preemptions, cached)
+
+
+def test_tp2_prompt_logprobs_equal_tp1(tiny_llama_dir):
+    """Prompt positions scored for their logprobs go through the ranks' one head call a step, as sampled rows do,
+    chunked and after preemptions too."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1)
+
+    def outputs(**options):
+        with LLM(str(tiny_llama_dir), **OPTIONS, **options) as llm:
+            return llm.generate(PROMPTS, params)
+
+    expected, sharded = outputs(), outputs(tensor_parallel_size=2)
+    assert [out.outputs[0].token_ids for out in sharded] == [out.outputs[0].token_ids for out in expected]
+    assert_same_prompt_scores(sharded, [out.prompt_logprobs for out in expected])
 
 
 class Recorded:
