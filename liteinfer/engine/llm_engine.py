@@ -19,7 +19,7 @@ from liteinfer.engine.packaged import PackagedDecoder
 from liteinfer.engine.scheduler import Scheduler, StaticScheduler
 from liteinfer.engine.sequence import Request, Sequence
 from liteinfer.engine.workers import ShardSpec, WorkerPool, pack_weights, weights_left_for_onednn
-from liteinfer.models.source import load_config, load_tokenizer, resolve_model
+from liteinfer.models.source import ModelSource, generation_eos_token_ids, load_config, load_tokenizer, resolve_model
 from liteinfer.outputs import PositionLogprobs, RequestMetrics, RequestOutput
 from liteinfer.sampling import RequestOutputKind, Sampler, SamplerOutput, SamplingParams
 
@@ -104,7 +104,7 @@ class LLMEngine:
                 self.block_manager, config.max_num_seqs, max_num_batched_tokens,
                 config.enable_chunked_prefill, config.long_prefill_token_threshold,
             )
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = self._eos_token_ids(source)
         compiled = None
         if not config.enforce_eager:
             # A CPU runs packages (engine/packaged.py) unless some W waits for oneDNN's prepacking, which only
@@ -179,8 +179,9 @@ class LLMEngine:
             )
         return spec.kv_cache(self.tp, num_blocks, self.device)
 
-    def _eos_token_ids(self) -> set[int]:
-        ids = {self.tokenizer.eos_token_id}
+    def _eos_token_ids(self, source: ModelSource) -> set[int]:
+        """The tokenizer's, the config's and the generation config's: any of them ends a sequence."""
+        ids = {self.tokenizer.eos_token_id, *generation_eos_token_ids(source)}
         configured = getattr(self.hf_config, "eos_token_id", None)
         ids.update(configured if isinstance(configured, list) else [configured])
         return {i for i in ids if i is not None}

@@ -155,6 +155,13 @@ def _as_record(prompt: str, output: RequestOutput) -> dict:
     }
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number in 0-65535, got {port}")
+    return port
+
+
 def _shorten(text: str, width: int = 60) -> str:
     return textwrap.shorten(text, width, placeholder="...")
 
@@ -202,7 +209,7 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting-seqs", type=int, default=DEFAULT_MAX_WAITING_SEQS,
                        help="queued sequences past which requests get 503 (default: %(default)s)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    serve.add_argument("--port", type=_port, default=8000, help="(default: %(default)s)")
     # From the environment by default: a key on the command line shows in `ps`.
     serve.add_argument("--api-key", default=os.environ.get("LITEINFER_API_KEY"),
                        help="require `Authorization: Bearer KEY` (default: $LITEINFER_API_KEY; none: open)")

@@ -42,7 +42,12 @@ def safetensors_files(directory: Path) -> list[Path]:
         raise FileNotFoundError(f"{directory}: no config.json, so this is not a model directory")
     index = directory / INDEX_FILE
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (ValueError, TypeError, KeyError, AttributeError) as e:  # not JSON, or not an index's shape
+            raise ValueError(f"{index}: not a checkpoint index, a JSON object whose weight_map maps each tensor to "
+                             f"its file ({type(e).__name__}: {e})") from e
         missing = [name for name in shards if not (directory / name).is_file()]
         if missing:
             raise FileNotFoundError(f"{directory}: shards listed in {INDEX_FILE} are missing: {missing}")

@@ -20,8 +20,9 @@ import huggingface_hub
 import torch
 from huggingface_hub.errors import LocalEntryNotFoundError
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from liteinfer.config import DEFAULT_MODEL
 from liteinfer.models.loader import INDEX_FILE, gguf_tensors, read_gguf, safetensors_files
@@ -34,7 +35,7 @@ _BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # of the same weights, and "model*.safetensors" (transformers' own naming) keeps those from being downloaded.
 _HUB_PATTERNS = [
     "config.json",
-    "generation_config.json",
+    GENERATION_CONFIG_NAME,
     "tokenizer*",
     "special_tokens_map.json",
     "added_tokens.json",
@@ -57,9 +58,10 @@ class ModelSource:
 
 def resolve_model(model: str) -> ModelSource:
     """Turn what the user typed into a local directory, downloading or converting on first use."""
-    if model == DEFAULT_MODEL:
-        return _from_gguf(model, _builtin_gguf_path())
     path = Path(model).expanduser()
+    # What is on disk comes first, as in transformers and vLLM: a clone named like the built-in model included.
+    if model == DEFAULT_MODEL and not path.exists():
+        return _from_gguf(model, _builtin_gguf_path())
     if path.is_dir():
         safetensors_files(path)  # fail now, not after the config and tokenizer have loaded
         return ModelSource(model, path)
@@ -84,6 +86,19 @@ def load_config(source: ModelSource) -> PretrainedConfig:
             )
         config.architectures = [arch]
     return config
+
+
+def generation_eos_token_ids(source: ModelSource) -> list[int]:
+    """The end-of-sequence ids of the checkpoint's generation_config.json, which transformers' `generate` and vLLM
+    stop on too (a chat model's end-of-turn token is often named only there: Llama 3's <|eot_id|>); none without one
+    (GGUF metadata has no such file: its EOS is the tokenizer's)."""
+    if not (source.path / GENERATION_CONFIG_NAME).is_file():
+        return []
+    try:
+        eos = GenerationConfig.from_pretrained(source.path).eos_token_id
+    except (OSError, ValueError) as e:  # not JSON, or values transformers refuses
+        raise ValueError(f"{source.name}: its {GENERATION_CONFIG_NAME} could not be read ({e})") from e
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:

@@ -2,11 +2,13 @@
 
 import io
 import json
+import socket
 
 import pytest
 
 from liteinfer import LLM, SamplingParams
 from liteinfer.entrypoints.cli import DEMO_PROMPTS, main
+from liteinfer.entrypoints.openai import server
 
 PROMPTS = ["The capital of France is", "Once upon a time"]
 
@@ -104,6 +106,22 @@ def test_invalid_values_exit_2_with_the_message(capsys, model_args, bad_args, me
     captured = capsys.readouterr()
     assert message in captured.err
     assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_serve_refuses_an_address_it_cannot_take_before_loading_the_model(capsys, monkeypatch, tiny_llama_dir):
+    """As vLLM: a port out of range or in use is an error in a moment, not after the model has loaded."""
+    monkeypatch.setattr(server, "AsyncLLM", lambda *args, **options: pytest.fail("the model should not load"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for bad_port, message in ((70000, "a port is a number in 0-65535"),
+                                  (port, f"cannot listen on 127.0.0.1:{port}: Address already in use")):
+            with pytest.raises(SystemExit) as exit_info:
+                main(["serve", "--model", str(tiny_llama_dir), "--port", str(bad_port)])
+            assert exit_info.value.code == 2
+            err = capsys.readouterr().err
+            assert message in err and "Traceback" not in err
 
 
 def test_missing_prompt_file_exits_2(capsys, tmp_path, model_args):

@@ -494,7 +494,8 @@ def test_serve_moves_the_start_up_heap_out_of_the_collectors_reach(monkeypatch):
     frozen_when_serving = []
     monkeypatch.setattr(server, "AsyncLLM", lambda model, **options: object())
     monkeypatch.setattr(server, "build_app", lambda llm, name, api_key: object())
-    monkeypatch.setattr(server.uvicorn, "run", lambda app, **options: frozen_when_serving.append(gc.get_freeze_count()))
+    monkeypatch.setattr(server.uvicorn.Server, "run",
+                        lambda self, sockets: frozen_when_serving.append(gc.get_freeze_count()))
     try:
         server.serve("a model", "127.0.0.1", 0, served_model_name=MODEL)
     finally:

@@ -555,6 +555,23 @@ def test_llm_stop_token_finishes_with_stop_and_its_text_only_when_asked(llm, gre
     assert run(include_stop_str_in_output=True).text == prefix_text(llm, at + 1)
 
 
+def test_generation_config_eos_ids_end_the_output(tiny_llama_dir, tmp_path, greedy_ref):
+    """An EOS id named only in generation_config.json (as Llama 3's <|eot_id|> is) ends the output, as transformers'
+    generate and vLLM stop on it; ignore_eos ignores it too."""
+    at = next(i for i in range(4, 24) if greedy_ref.token_ids[i] not in greedy_ref.token_ids[:i])
+    directory = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, directory)
+    generation_config = json.loads((directory / "generation_config.json").read_text())
+    generation_config["eos_token_id"] = [generation_config["eos_token_id"], greedy_ref.token_ids[at]]
+    (directory / "generation_config.json").write_text(json.dumps(generation_config))
+    params = SamplingParams(temperature=0, max_tokens=24)
+    with LLM(str(directory), dtype="float32", num_kv_blocks=128) as llm:
+        out = llm.generate(PROMPTS[1], params)[0].outputs[0]
+        ignored = llm.generate(PROMPTS[1], replace(params, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == greedy_ref.token_ids[: at + 1] and (out.finish_reason, out.stop_reason) == ("stop", None)
+    assert ignored.token_ids == greedy_ref.token_ids
+
+
 def test_llm_stop_string_finishes_with_stop_and_the_string(llm, greedy_ref):
     start = len(prefix_text(llm, 6))
     stop = greedy_ref.text[start : start + 3]

@@ -1,12 +1,15 @@
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from liteinfer.config import DEFAULT_MODEL
 from liteinfer.models.base import DecoderForCausalLM
-from liteinfer.models.loader import _undo_rope_permutation, build_model, iter_checkpoint, load_weights
-from liteinfer.models.source import ModelSource
+from liteinfer.models.loader import INDEX_FILE, _undo_rope_permutation, build_model, iter_checkpoint, load_weights
+from liteinfer.models.source import ModelSource, resolve_model
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 16, 4, 2, 4
 
@@ -58,6 +61,21 @@ def test_iter_checkpoint_sharded_save_yields_state_dict(tmp_path):
     assert got.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("index", ['{"metadata": {}}', '["model.safetensors"]', '{"weight_map": '])
+def test_a_damaged_checkpoint_index_raises_naming_it(tmp_path, index):
+    save_tiny_llama(tmp_path, tied=False, max_shard_size="4KB")
+    (tmp_path / INDEX_FILE).write_text(index)
+    with pytest.raises(ValueError, match=f"{INDEX_FILE}: not a checkpoint index"):
+        read_all(tmp_path)
+
+
+def test_a_directory_named_as_the_built_in_model_is_read_from_disk(tmp_path, monkeypatch):
+    """As transformers and vLLM do: what is on disk comes first, a clone named like the built-in model included."""
+    monkeypatch.chdir(tmp_path)
+    save_tiny_llama(tmp_path / DEFAULT_MODEL, tied=False)
+    assert resolve_model(DEFAULT_MODEL) == ModelSource(DEFAULT_MODEL, Path(DEFAULT_MODEL))
 
 
 def test_iter_checkpoint_truncated_file_raises_naming_file(tmp_path):

@@ -6,10 +6,11 @@ import asyncio
 import json
 import logging
 import secrets
+import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Sequence
-from contextlib import aclosing, asynccontextmanager, contextmanager
+from contextlib import aclosing, asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -108,12 +109,32 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
 
 def serve(model: str | None, host: str, port: int, api_key: str | None = None,
           served_model_name: str | None = None, **async_llm_options: Any) -> None:
-    """Load the model, then serve it until interrupted (what `liteinfer serve` runs)."""
-    llm = AsyncLLM(model, **async_llm_options)
-    app = build_app(llm, served_model_name or llm.engine.config.model, api_key)
-    freeze_startup_objects()  # `liteinfer serve` is a process of our own
-    # Open streams get a few seconds to finish on shutdown; the rest are aborted with the engine loop.
-    uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=5)
+    """Take the address, load the model, then serve it until interrupted (what `liteinfer serve` runs)."""
+    # Bound before the model loads, as vLLM does: a port in use fails in a moment, not after the load.
+    with _bound_socket(host, port) as listener:
+        llm = AsyncLLM(model, **async_llm_options)
+        app = build_app(llm, served_model_name or llm.engine.config.model, api_key)
+        freeze_startup_objects()  # `liteinfer serve` is a process of our own
+        # Open streams get a few seconds to finish on shutdown; the rest are aborted with the engine loop. The server
+        # raises the Ctrl-C it has shut down on once more, which ends the command as `uvicorn.run` does, quietly.
+        with suppress(KeyboardInterrupt):
+            uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=5)).run(sockets=[listener])
+
+
+def _bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), as uvicorn binds one; OSError naming the address if it cannot be."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, kind, proto)
+    except (OSError, OverflowError) as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e}") from e
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+    except OSError as e:
+        listener.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    return listener
 
 
 class OpenAIServer:
