@@ -4,6 +4,7 @@ checked as a whole, and chat conversations rendered with the model's template. S
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -26,10 +27,15 @@ def pair_prompts(
     """One prompt or a list, with one `SamplingParams` for all (None = defaults) or one per prompt."""
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
+    if not isinstance(prompts, Iterable):
+        raise ValueError(f"prompts are a prompt or a list of them, got {type(prompts).__name__}")
     prompts = list(prompts)
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
         return [(prompt, sampling_params or SamplingParams()) for prompt in prompts]
-    params_list = list(sampling_params)
+    params_list = list(sampling_params) if isinstance(sampling_params, Iterable) else [sampling_params]
+    if isinstance(sampling_params, dict) or not all(isinstance(params, SamplingParams) for params in params_list):
+        raise ValueError(f"sampling params are a SamplingParams or a list of them, one per prompt, got "
+                         f"{sampling_params!r:.80}")
     if len(params_list) != len(prompts):
         raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
     return list(zip(prompts, params_list))

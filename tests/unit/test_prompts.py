@@ -4,10 +4,32 @@ import copy
 
 import pytest
 
-from liteinfer.engine.prompts import render_chat
+from liteinfer import SamplingParams
+from liteinfer.engine.prompts import pair_prompts, render_chat
 
 QUESTION = {"role": "user", "content": "What is 2 + 2?"}
 STARTED_REPLY = {"role": "assistant", "content": "The answer is"}
+
+
+@pytest.mark.parametrize(("prompts", "params", "match"), [
+    (None, None, "prompts are a prompt or a list of them, got NoneType"),
+    (3, None, "prompts are a prompt or a list of them, got int"),
+    (["hi"], {"temperature": 0}, "sampling params are a SamplingParams or a list of them"),
+    (["hi"], 0.5, "sampling params are a SamplingParams or a list of them"),
+    (["hi"], [{"temperature": 0}], "sampling params are a SamplingParams or a list of them"),
+])
+def test_prompts_and_params_of_the_wrong_kind_are_a_value_error(prompts, params, match):
+    """As every other bad input: a ValueError naming what was expected (a TypeError from deeper down before)."""
+    with pytest.raises(ValueError, match=match):
+        pair_prompts(prompts, params)
+
+
+def test_one_params_for_every_prompt_or_one_each():
+    one, other = SamplingParams(temperature=0), SamplingParams(temperature=1)
+    assert pair_prompts("hi", None) == [("hi", SamplingParams())]
+    assert pair_prompts(["a", {"prompt_token_ids": [1]}], one) == [("a", one), ({"prompt_token_ids": [1]}, one)]
+    assert pair_prompts(("a", "b"), [one, other]) == [("a", one), ("b", other)]
+    assert pair_prompts((p for p in "ab"), iter([one, other])) == [("a", one), ("b", other)]
 
 
 def test_generation_prompt_opens_the_assistants_turn(smollm2_tokenizer):
