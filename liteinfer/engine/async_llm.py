@@ -53,6 +53,9 @@ class StreamEvent:
     logprobs: list[PositionLogprobs] | None  # of the new tokens; None unless the params asked for logprobs
     num_prompt_tokens: int
     error: str | None = None  # set when the request failed inside the engine
+    # With SamplingParams.prompt_logprobs: the prompt's (RequestOutput.prompt_logprobs), on the events of the first
+    # output that carries them (the first sample's first event); else None.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 class AsyncLLM:
@@ -360,6 +363,7 @@ def _new_events(output: RequestOutput, progress: dict[tuple[str, int], _SamplePr
             logprobs=sample.logprobs,
             num_prompt_tokens=len(output.prompt_token_ids),
             error=output.error,
+            prompt_logprobs=output.prompt_logprobs,
         ))
     return events
 

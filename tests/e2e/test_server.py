@@ -228,6 +228,39 @@ def test_completion_logprobs_match_the_engine(client, sync_llm):
         assert len(top) == 2 and max(top.values()) == pytest.approx(chosen)  # greedy: the chosen token is top-1
 
 
+def test_echo_puts_the_prompt_and_its_logprobs_first_streamed_or_not(client, sync_llm):
+    """As OpenAI's legacy API and vLLM (what evaluation harnesses score prompts with): the prompt's text before each
+    choice's, and its tokens' logprobs before the choice's, the first token's null; a token prompt's text decoded."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2, prompt_logprobs=2)
+    reference = sync_llm.generate(PROMPTS[0], params)[0]
+    sample = reference.outputs[0]
+    prompt_ids = reference.prompt_token_ids
+    expected_logprobs = [None] + [position[t].logprob for t, position in zip(prompt_ids[1:],
+                                                                               reference.prompt_logprobs[1:])]
+    expected_logprobs += [position[t].logprob for t, position in zip(sample.token_ids, sample.logprobs)]
+    options = dict(model=MODEL, max_tokens=MAX_TOKENS, temperature=0, logprobs=2, echo=True)
+    for prompt in (PROMPTS[0], prompt_ids):
+        result = client.completions.create(prompt=prompt, **options)
+        choice = result.choices[0]
+        assert choice.text == sync_llm.tokenizer.decode(prompt_ids) + sample.text
+        if prompt == PROMPTS[0]:
+            assert choice.text == PROMPTS[0] + sample.text
+        logprobs = choice.logprobs
+        assert logprobs.token_logprobs == pytest.approx(expected_logprobs)
+        assert logprobs.tokens == [sync_llm.tokenizer.decode([t]) for t in prompt_ids + sample.token_ids]
+        assert logprobs.top_logprobs[0] is None and all(len(top) == 2 for top in logprobs.top_logprobs[1:])
+        assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+        assert result.usage.prompt_tokens == len(prompt_ids)
+        chunks = list(client.completions.create(prompt=prompt, stream=True, **options))
+        assert "".join(c.choices[0].text for c in chunks) == choice.text
+        streamed = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
+        assert streamed == pytest.approx(expected_logprobs)
+    without_logprobs = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                                 temperature=0, echo=True, n=2)
+    assert [c.text for c in without_logprobs.choices] == [PROMPTS[0] + sample.text] * 2
+    assert all(c.logprobs is None for c in without_logprobs.choices)
+
+
 def test_chat_logprobs_list_the_top_alternatives(client):
     result = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0,
                                             logprobs=True, top_logprobs=3)
@@ -386,6 +419,8 @@ BAD_REQUESTS = {
     "empty prompt": ("POST", "/v1/completions", {"prompt": ""}, 400, None),
     "unsupported field": ("POST", "/v1/chat/completions", {"messages": QUESTION, "tools": [{"type": "x"}]}, 400,
                           None),
+    "echo of a token prompt out of the vocabulary": ("POST", "/v1/completions",
+                                                     {"prompt": [1, 10**9], "echo": True}, 400, None),
     "unknown model": ("POST", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 400, "model"),
     "generation prompt and continued message": ("POST", "/v1/chat/completions",
                                                 {"messages": QUESTION, "continue_final_message": True}, 400,

@@ -59,12 +59,13 @@ class SamplingRequest(OpenAIRequest):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError (naming the field first) for values SamplingParams refuses."""
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is for streamed responses only: set stream to true, or leave it out")
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
-        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs)
+        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -72,11 +73,14 @@ class SamplingRequest(OpenAIRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    unsupported: ClassVar[tuple[str, ...]] = ("echo", "suffix", "logit_bias", "best_of")
+    unsupported: ClassVar[tuple[str, ...]] = ("suffix", "logit_bias", "best_of")
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default; null = up to the context limit
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    # The prompt before each choice's text, and with logprobs its tokens' logprobs before the choice's (the first
+    # token's null: nothing predicts it), as OpenAI's legacy API and vLLM do (what evaluation harnesses score with).
+    echo: bool = False
 
     def prompts(self) -> list[PromptType]:
         prompt = self.prompt
@@ -160,8 +164,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # null: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

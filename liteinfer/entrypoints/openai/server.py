@@ -180,33 +180,61 @@ class OpenAIServer:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        with _user_errors(body):
-            params = body.sampling_params(body.max_tokens, body.logprobs)
-            prompts = body.prompts()
-        batch = await self._submit("cmpl", body, prompts, params)
         num_top = body.logprobs
+        with _user_errors(body):
+            params = body.sampling_params(body.max_tokens, num_top, num_top if body.echo else None)
+            prompts = body.prompts()
+            echoes = [await self._echo(prompt) for prompt in prompts] if body.echo else None
+        if echoes is not None:  # tokenized already: the engine takes the ids
+            prompts = [{"prompt": prompt if isinstance(prompt, str) else None, "prompt_token_ids": echo.token_ids}
+                       for prompt, echo in zip(prompts, echoes, strict=True)]
+        batch = await self._submit("cmpl", body, prompts, params)
 
-        def choice(index: int, text: str, token_ids: list[int], positions: list[PositionLogprobs] | None,
-                   offset: int, finish_reason: str | None, stop_reason: str | int | None) -> CompletionChoice:
+        def choice(index: int, request_id: str, text: str, token_ids: list[int],
+                   positions: list[PositionLogprobs] | None, offset: int, finish_reason: str | None,
+                   stop_reason: str | int | None, echo: bool = False) -> CompletionChoice:
+            first_token = None
+            if echo and echoes is not None:  # the prompt first: its text, its tokens' logprobs before the choice's
+                prompt = echoes[batch.request_ids.index(request_id)]
+                text, token_ids, first_token = prompt.text + text, prompt.token_ids + token_ids, prompt.first_token
+                if num_top is not None:
+                    positions = batch.prompt_logprobs[request_id] + positions
             return CompletionChoice(
                 index=index, text=text, finish_reason=finish_reason, stop_reason=stop_reason,
-                logprobs=None if num_top is None else _completion_logprobs(token_ids, positions, num_top, offset),
+                logprobs=None if num_top is None else _completion_logprobs(token_ids, positions, num_top, offset,
+                                                                           first_token),
             )
 
         if body.stream:
+            started: set[int] = set()  # the choices whose first chunk (with the prompt, if echoed) has gone out
+
             def chunk(event: StreamEvent, index: int) -> CompletionResponse:
+                first = index not in started
+                started.add(index)
                 offset = len(event.text) - len(event.delta)
-                return batch.completion(choices=[choice(index, event.delta, event.new_token_ids, event.logprobs,
-                                                        offset, event.finish_reason, event.stop_reason)])
+                if echoes is not None:  # the choice's text starts with the prompt's
+                    offset = 0 if first else offset + len(echoes[batch.request_ids.index(event.request_id)].text)
+                return batch.completion(choices=[choice(index, event.request_id, event.delta, event.new_token_ids,
+                                                        event.logprobs, offset, event.finish_reason,
+                                                        event.stop_reason, echo=first)])
 
             return batch.stream(chunk, lambda usage: batch.completion(choices=[], usage=usage), body.include_usage)
 
         samples = await self._collect(batch, request)
         if samples is None:
             return Response(status_code=_CLIENT_CLOSED_REQUEST)
-        choices = [choice(i, s.text, s.token_ids, s.logprobs, 0, s.finish_reason, s.stop_reason)
+        choices = [choice(i, s.request_id, s.text, s.token_ids, s.logprobs, 0, s.finish_reason, s.stop_reason, True)
                    for i, s in enumerate(samples)]
         return JSONResponse(batch.completion(choices=choices, usage=batch.usage.total()).model_dump())
+
+    async def _echo(self, prompt: PromptType) -> _Echo:
+        """What an echoing completion puts first: the prompt's text (a token prompt's decoded), and its tokens."""
+        if isinstance(prompt, str):
+            text, token_ids = prompt, await self.llm.tokenize(prompt)
+        else:
+            token_ids = prompt["prompt_token_ids"]
+            text = await self.llm.detokenize(token_ids)
+        return _Echo(text, token_ids, await self.llm.detokenize(token_ids[:1]))
 
     # ----------------------------------------------------------------------------------------------------------
     # Chat completions
@@ -280,17 +308,27 @@ class OpenAIServer:
                 async for event in events:
                     if event.error is not None:
                         raise APIError(500, f"the request failed: {event.error}")
-                    batch.usage.add(event)
+                    batch.record(event)
                     samples[batch.choice_index(event)].add(event)
             return samples
 
         return await _unless_disconnected(request, collect())
 
 
+@dataclass(frozen=True)
+class _Echo:
+    """A prompt as an echoing completion repeats it."""
+
+    text: str  # a token prompt's decoded
+    token_ids: list[int]
+    first_token: str  # the first token's text (its logprob is null: nothing predicts it)
+
+
 @dataclass
 class _Sample:
     """One choice of a response, accumulated from its events."""
 
+    request_id: str = ""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] = field(default_factory=list)
@@ -298,7 +336,7 @@ class _Sample:
     stop_reason: str | int | None = None
 
     def add(self, event: StreamEvent) -> None:
-        self.text, self.token_ids = event.text, event.token_ids
+        self.request_id, self.text, self.token_ids = event.request_id, event.text, event.token_ids
         self.logprobs += event.logprobs or []
         self.finish_reason, self.stop_reason = event.finish_reason, event.stop_reason
 
@@ -329,9 +367,16 @@ class _Batch:
     events: AsyncGenerator[StreamEvent, None]
     created: int = field(default_factory=lambda: int(time.time()))
     usage: _UsageTally = field(default_factory=_UsageTally)
+    prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)  # by request, if asked
 
     def choice_index(self, event: StreamEvent) -> int:
         return self.request_ids.index(event.request_id) * self.n + event.index
+
+    def record(self, event: StreamEvent) -> None:
+        """What the response as a whole needs of an event: its tokens for the usage, and the prompt's logprobs."""
+        self.usage.add(event)
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs[event.request_id] = event.prompt_logprobs
 
     def completion(self, **fields: Any) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, **fields)
@@ -358,7 +403,7 @@ class _Batch:
                         if event.error is not None:
                             yield _sse(APIError(500, f"the request failed: {event.error}").body())
                             continue
-                        self.usage.add(event)
+                        self.record(event)
                         # A token whose text is held back (half a character, a possible stop string) and whose
                         # logprobs nobody asked for has nothing to show.
                         if event.delta or event.finished or event.logprobs:
@@ -386,10 +431,19 @@ def _top(position: PositionLogprobs, k: int) -> list[Logprob]:
     return sorted(position.values(), key=lambda logprob: logprob.rank)[:k]
 
 
-def _completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs], k: int,
-                         offset: int) -> CompletionLogprobs:
+def _completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], k: int, offset: int,
+                         first_token: str | None = None) -> CompletionLogprobs:
+    """`positions[i]` holds token_ids[i]'s logprob; None for an echoed prompt's first token, whose text is
+    `first_token`."""
     out = CompletionLogprobs()
     for token_id, position in zip(token_ids, positions):
+        if position is None:
+            out.tokens.append(first_token or "")
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(first_token or "")
+            continue
         chosen = position[token_id]
         out.tokens.append(chosen.decoded_token or "")
         out.token_logprobs.append(chosen.logprob)
