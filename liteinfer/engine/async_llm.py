@@ -53,8 +53,9 @@ class StreamEvent:
     logprobs: list[PositionLogprobs] | None  # of the new tokens; None unless the params asked for logprobs
     num_prompt_tokens: int
     error: str | None = None  # set when the request failed inside the engine
-    # With SamplingParams.prompt_logprobs: the prompt's (RequestOutput.prompt_logprobs), on the events of the first
-    # output that carries them (the first sample's first event); else None.
+    # With SamplingParams.prompt_logprobs: the prompt's (RequestOutput.prompt_logprobs), on the events of the output
+    # that carries them (the first step's, where the first sample gets its first token; with FINAL_ONLY the only
+    # one, an event a sample); else None. As far as computed if the request was aborted before its prompt was.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 

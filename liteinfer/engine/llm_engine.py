@@ -104,6 +104,9 @@ class LLMEngine:
                 self.block_manager, config.max_num_seqs, max_num_batched_tokens,
                 config.enable_chunked_prefill, config.long_prefill_token_threshold,
             )
+        # The tokenizer's EOS ends a sequence with stop reason None; the others that the configs name (Llama 3's
+        # <|eot_id|>, Gemma's <end_of_turn>) end it as stop token ids do, with their id, as vLLM reports them.
+        self.eos_token_id: int | None = self.tokenizer.eos_token_id
         self.eos_token_ids = self._eos_token_ids(source)
         compiled = None
         if not config.enforce_eager:
@@ -338,11 +341,11 @@ class LLMEngine:
         params = seq.params
         is_eos = token in self.eos_token_ids and not params.ignore_eos
         if is_eos or token in params.stop_token_ids:
-            # As in vLLM, a stop token (EOS, or one of stop_token_ids: then the stop reason) stays in token_ids but
-            # its text only with include_stop_str_in_output.
+            # As in vLLM, a stop token (an EOS id, or one of stop_token_ids) stays in token_ids but its text only with
+            # include_stop_str_in_output.
             if params.include_stop_str_in_output:
                 seq.detokenizer.step([token])
-            self._finish(seq, "stop", None if is_eos else token)
+            self._finish(seq, "stop", None if is_eos and token == self.eos_token_id else token)
             return
         seq.detokenizer.step([token])
         if seq.detokenizer.stop_reason is not None:

@@ -22,6 +22,10 @@ from liteinfer.outputs import PositionLogprobs
 from liteinfer.sampling import Sampler, SamplerOutput, SamplingRow
 from liteinfer.sampling.sampler import gather_logprobs
 
+# Prompt positions whose logprobs are gathered together: the log-softmax and the ranks' comparisons each take a
+# [rows, vocab] temporary (SmolLM2: 50 MB in fp32 at 256 rows), which a long chunk would otherwise take whole.
+SCORED_ROWS_AT_ONCE = 256
+
 
 class ModelRunner:
     """Rank 0's runner. With tensor parallelism it sends each step's inputs to the other ranks (`workers`), which
@@ -89,7 +93,10 @@ class ModelRunner:
             next_tokens += seq.token_ids[positions.start + 1 : positions.stop + 1]
             num_top += [seq.params.prompt_logprobs] * len(positions)
         tokens = torch.tensor(next_tokens, dtype=torch.long, device=logits.device)
-        _, tops = gather_logprobs(logits.log_softmax(-1, dtype=torch.float32), tokens, num_top)
+        tops: list[PositionLogprobs] = []
+        for first in range(0, len(tokens), SCORED_ROWS_AT_ONCE):
+            rows = slice(first, first + SCORED_ROWS_AT_ONCE)
+            tops += gather_logprobs(logits[rows].log_softmax(-1, dtype=torch.float32), tokens[rows], num_top[rows])[1]
         by_seq, at = {}, 0
         for i, _, positions in scored:
             by_seq[i], at = tops[at : at + len(positions)], at + len(positions)

@@ -255,6 +255,12 @@ def test_echo_puts_the_prompt_and_its_logprobs_first_streamed_or_not(client, syn
         assert "".join(c.choices[0].text for c in chunks) == choice.text
         streamed = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
         assert streamed == pytest.approx(expected_logprobs)
+    # max_tokens 0: the prompt alone, as vLLM gives it (what older harnesses ask for).
+    prompt_only = client.completions.create(prompt=PROMPTS[0], **{**options, "max_tokens": 0})
+    assert prompt_only.choices[0].text == PROMPTS[0]
+    assert prompt_only.choices[0].logprobs.token_logprobs == pytest.approx(expected_logprobs[: len(prompt_ids)])
+    chunks = list(client.completions.create(prompt=PROMPTS[0], stream=True, **{**options, "max_tokens": 0}))
+    assert "".join(c.choices[0].text for c in chunks) == PROMPTS[0]
     without_logprobs = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
                                                  temperature=0, echo=True, n=2)
     assert [c.text for c in without_logprobs.choices] == [PROMPTS[0] + sample.text] * 2
@@ -414,6 +420,7 @@ BAD_REQUESTS = {
     "missing field": ("POST", "/v1/chat/completions", {"model": MODEL}, 400, "messages"),
     "bad value": ("POST", "/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     "bad n": ("POST", "/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    "max_tokens 0 without echo": ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     "bad top_p": ("POST", "/v1/chat/completions", {"messages": QUESTION, "top_p": 0}, 400, "top_p"),
     "too many logprobs": ("POST", "/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
     "empty prompt": ("POST", "/v1/completions", {"prompt": ""}, 400, None),

@@ -20,6 +20,7 @@ from parity import (
 )
 
 from liteinfer import LLM, RequestOutput, RequestOutputKind, SamplingParams
+from liteinfer.engine import model_runner
 
 # Prompts of at most 16 tokens, so that with max_model_len=64 each can generate NUM_NEW.
 SHORT_PROMPTS = [
@@ -90,9 +91,11 @@ def test_llama_generated_logprobs_match_transformers_log_softmax(parity):
         assert completion.cumulative_logprob == pytest.approx(expected_sum, abs=1e-3)
 
 
-def test_llama_prompt_logprobs_match_transformers_log_softmax(parity):
+def test_llama_prompt_logprobs_match_transformers_log_softmax(parity, monkeypatch):
     """prompt_logprobs: each prompt token's logprob with the top 3 at its position (ranks and text too) is
-    transformers' value, the first token's None; the generated tokens are those of a request without them."""
+    transformers' value, the first token's None; the generated tokens are those of a request without them. (The
+    positions' logprobs gathered 5 at a time, so that a step's come in several slices.)"""
+    monkeypatch.setattr(model_runner, "SCORED_ROWS_AT_ONCE", 5)
     llm, hf_model = parity
     num_top = 3
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -535,11 +538,12 @@ def test_llm_max_tokens_finishes_with_length(llm, greedy_ref):
 
 @pytest.mark.parametrize("stop_by", ["stop_token_ids", "eos"])
 def test_llm_stop_token_finishes_with_stop_and_its_text_only_when_asked(llm, greedy_ref, monkeypatch, stop_by):
-    """A token of stop_token_ids, or the model's EOS (vLLM's stop reason None), ends the output with finish_reason
-    "stop"; it is in token_ids, and its text in the text only with include_stop_str_in_output."""
+    """A token of stop_token_ids, or the tokenizer's EOS (vLLM's stop reason None), ends the output with
+    finish_reason "stop"; it is in token_ids, and its text in the text only with include_stop_str_in_output."""
     at = next(i for i in range(4, 24) if greedy_ref.token_ids[i] not in greedy_ref.token_ids[:i])
     stop_id = greedy_ref.token_ids[at]
     if stop_by == "eos":
+        monkeypatch.setattr(llm.engine, "eos_token_id", stop_id)
         monkeypatch.setattr(llm.engine, "eos_token_ids", {stop_id})
         stop = {}
     else:
@@ -557,7 +561,7 @@ def test_llm_stop_token_finishes_with_stop_and_its_text_only_when_asked(llm, gre
 
 def test_generation_config_eos_ids_end_the_output(tiny_llama_dir, tmp_path, greedy_ref):
     """An EOS id named only in generation_config.json (as Llama 3's <|eot_id|> is) ends the output, as transformers'
-    generate and vLLM stop on it; ignore_eos ignores it too."""
+    generate and vLLM stop on it (vLLM's stop reason: its id, as for stop_token_ids); ignore_eos ignores it too."""
     at = next(i for i in range(4, 24) if greedy_ref.token_ids[i] not in greedy_ref.token_ids[:i])
     directory = tmp_path / "model"
     shutil.copytree(tiny_llama_dir, directory)
@@ -568,7 +572,8 @@ def test_generation_config_eos_ids_end_the_output(tiny_llama_dir, tmp_path, gree
     with LLM(str(directory), dtype="float32", num_kv_blocks=128) as llm:
         out = llm.generate(PROMPTS[1], params)[0].outputs[0]
         ignored = llm.generate(PROMPTS[1], replace(params, ignore_eos=True))[0].outputs[0]
-    assert out.token_ids == greedy_ref.token_ids[: at + 1] and (out.finish_reason, out.stop_reason) == ("stop", None)
+    eos = greedy_ref.token_ids[at]
+    assert out.token_ids == greedy_ref.token_ids[: at + 1] and (out.finish_reason, out.stop_reason) == ("stop", eos)
     assert ignored.token_ids == greedy_ref.token_ids
 
 

@@ -181,8 +181,12 @@ class OpenAIServer:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         num_top = body.logprobs
+        # As vLLM: echo with max_tokens 0 gives the prompt alone (its logprobs, what a harness scores); the engine
+        # still samples the one token it must, which the response leaves out (the usage counts it, as vLLM's does).
+        prompt_only = body.echo and body.max_tokens == 0
+        max_tokens = 1 if prompt_only else body.max_tokens
         with _user_errors(body):
-            params = body.sampling_params(body.max_tokens, num_top, num_top if body.echo else None)
+            params = body.sampling_params(max_tokens, num_top, num_top if body.echo else None)
             prompts = body.prompts()
             echoes = [await self._echo(prompt) for prompt in prompts] if body.echo else None
         if echoes is not None:  # tokenized already: the engine takes the ids
@@ -194,6 +198,8 @@ class OpenAIServer:
                    positions: list[PositionLogprobs] | None, offset: int, finish_reason: str | None,
                    stop_reason: str | int | None, echo: bool = False) -> CompletionChoice:
             first_token = None
+            if prompt_only:
+                text, token_ids, positions = "", [], None if positions is None else []
             if echo and echoes is not None:  # the prompt first: its text, its tokens' logprobs before the choice's
                 prompt = echoes[batch.request_ids.index(request_id)]
                 text, token_ids, first_token = prompt.text + text, prompt.token_ids + token_ids, prompt.first_token
