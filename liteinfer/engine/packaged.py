@@ -120,7 +120,10 @@ class PackagedDecoder:
         batch, width = (1, 3) if one else (cpu_example_batch(), 3)
         # Four tensors, not one four times: export would take one tensor passed twice for one input.
         per_token = [torch.zeros(batch, dtype=torch.long) for _ in range(4)]
-        inputs = (*per_token, torch.zeros(batch, width, dtype=torch.long), *self.pool)
+        # Export keeps a pool's block count dynamic from 2 blocks only: a pool of one (one sequence of a short context)
+        # is traced through a stand-in of its layout.
+        pool = [tensor if len(tensor) >= 2 else _with_blocks(tensor, 2) for tensor in self.pool]
+        inputs = (*per_token, torch.zeros(batch, width, dtype=torch.long), *pool)
         batch_dim = None if one else torch.export.Dim("batch", min=2, max=_MAX_BATCH)
         width_dim = torch.export.Dim("width", min=2, max=_MAX_WIDTH)
         blocks_dim = torch.export.Dim("blocks", min=2, max=_MAX_BLOCKS)
@@ -167,6 +170,14 @@ class PackagedDecoder:
                  [(t.shape[1:], t.dtype, t.dim_order()) for t in self.pool]]
         digest.update(repr(parts).encode())
         return digest.hexdigest()[:32]
+
+
+def _with_blocks(tensor: torch.Tensor, blocks: int) -> torch.Tensor:
+    """Zeros laid out as `tensor` (the same order of dimensions in memory), `blocks` long along its first."""
+    order = tensor.dim_order()
+    shape = (blocks, *tensor.shape[1:])
+    return torch.zeros([shape[dim] for dim in order], dtype=tensor.dtype).permute([order.index(dim)
+                                                                                 for dim in range(tensor.dim())])
 
 
 def _cpu_description() -> str:

@@ -4,6 +4,7 @@ waits for oneDNN; forced here). Each gives the eager path's greedy tokens, write
 at start-up (none while serving)."""
 
 import asyncio
+import pathlib
 import re
 import zipfile
 from unittest import mock
@@ -287,6 +288,21 @@ def test_both_packages_multiply_through_the_packed_linear_kernel(packages):
     assert code.count('"target": "liteinfer::packed_linear"') == 2 * num_linears(packages)
     assert code.count('"target": "liteinfer::packed_gated_linear"') == 2 * num_layers
     assert "mkldnn" not in code and "liteinfer::gemv" not in code
+
+
+def test_a_pool_of_one_block_is_traced_through_a_stand_in(packages, tmp_path, monkeypatch):
+    """Export keeps a pool's block count dynamic from 2 blocks only: an engine whose pool is one block (one sequence
+    of a short context) traces on a stand-in of its layout, not on the pool (export refused it before)."""
+    decoder = packages.engine.runner.compiled
+    monkeypatch.setattr(decoder, "pool", [tensor[:1] for tensor in decoder.pool])  # one block, the layout kept
+    programs = []
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package",  # what is traced is the question, not its code
+                        lambda program, package_path, **options: programs.append(program)
+                        or pathlib.Path(package_path).touch())
+    decoder._compile(tmp_path / "step.pt2", one=False)
+    pools = [node.meta["val"] for node in programs[0].graph.nodes if node.op == "placeholder"][-len(decoder.pool):]
+    assert all(isinstance(pool.shape[0], torch.SymInt) for pool in pools)
+    assert [pool.dim_order() for pool in pools] == [tensor.dim_order() for tensor in decoder.pool]
 
 
 def test_packages_write_the_kv_pool_in_place(packages, tmp_path):
