@@ -74,7 +74,7 @@ def prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
         assert engine.block_manager.allocate(seq.block_table, len(ids))
         batch.add(seq, len(ids))
     try:
-        input_ids, meta, _ = engine.runner._prepare(batch)
+        input_ids, meta, _, _ = engine.runner._prepare(batch)
         assert meta.num_decodes == 0  # each prompt one span, laid in the batch's order
         with torch.inference_mode():
             model = engine.runner.model

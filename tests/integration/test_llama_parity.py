@@ -630,10 +630,12 @@ def eos_generate(eos: LLM, **params):
     return eos.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=24, **params))[0].outputs[0]
 
 
-def test_llm_eos_finishes_with_stop_and_no_reason(llm, eos_llm, greedy_ref):
+def test_llm_eos_of_the_config_finishes_with_stop_and_its_id(llm, eos_llm, greedy_ref):
+    """An EOS id the config adds to the tokenizer's ends the output as vLLM reports it: stop reason the id (the
+    tokenizer's own EOS: None, test_llm_stop_token_finishes_with_stop_and_its_text_only_when_asked)."""
     eos, eos_id = eos_llm
     out = eos_generate(eos)
-    assert (out.finish_reason, out.stop_reason) == ("stop", None)
+    assert (out.finish_reason, out.stop_reason) == ("stop", eos_id)
     assert out.token_ids == greedy_ref.token_ids[:4] and out.token_ids[-1] == eos_id
     assert out.text == prefix_text(llm, 3)  # EOS is not detokenized
 

@@ -40,7 +40,7 @@ def test_each_token_takes_the_path_of_what_it_is_whatever_the_steps_shape():
         batch.add(seq, count)
     runner = ModelRunner(model=None, sampler=None, block_size=4, device=torch.device("cpu"))
 
-    input_ids, meta, sampling = runner._prepare(batch)
+    input_ids, meta, sampling, _ = runner._prepare(batch)
 
     assert meta.positions.tolist() == [7, 6, 7, 8, 0, 1, 2, 3, 4, 5, 4, 5, 6, 4]
     assert input_ids.tolist() == [100 + p for p in meta.positions.tolist()]
