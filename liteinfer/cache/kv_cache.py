@@ -35,10 +35,10 @@ class KVCache:
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         k_shape = (num_blocks, num_kv_heads, head_dim // 4, block_size, 4) if int8 else shape
         v_shape = (num_blocks, num_kv_heads, block_size // 4, head_dim, 4) if int8 else shape
-        self.k = [_pool(k_shape, torch.uint8 if int8 else dtype, device) for _ in range(num_layers)]
-        self.v = [_pool(v_shape, torch.int8 if int8 else dtype, device) for _ in range(num_layers)]
-        self.k_scales = [_pool(shape[:3], torch.float32, device) if int8 else None for _ in range(num_layers)]
-        self.v_scales = [_pool(shape[:3], torch.float32, device) if int8 else None for _ in range(num_layers)]
+        self.k = [pool_tensor(k_shape, torch.uint8 if int8 else dtype, device) for _ in range(num_layers)]
+        self.v = [pool_tensor(v_shape, torch.int8 if int8 else dtype, device) for _ in range(num_layers)]
+        self.k_scales = [pool_tensor(shape[:3], torch.float32, device) if int8 else None for _ in range(num_layers)]
+        self.v_scales = [pool_tensor(shape[:3], torch.float32, device) if int8 else None for _ in range(num_layers)]
         self.int8 = int8
         self.device = device
         self.num_blocks = num_blocks
@@ -69,9 +69,10 @@ class KVCache:
             kernels.load()  # the decode attention that reads these pools where they lie
 
 
-def _pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed pool of `shape` ([blocks, kv_heads, ...]); on a CPU head-major and on huge pages (liteinfer/
-    huge_pages.py), as the weights are: decode attention streams through a sequence's blocks."""
+def pool_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool of `shape` ([blocks, kv_heads, ...]), as every tensor of a `KVCache` is made: on a CPU head-major
+    and on huge pages (liteinfer/huge_pages.py), as the weights are: decode attention streams through a sequence's
+    blocks."""
     if device.type == "cpu":
         return huge_pages.zeros((shape[1], shape[0], *shape[2:]), dtype).transpose(0, 1)
     return torch.zeros(shape, dtype=dtype, device=device)

@@ -42,6 +42,7 @@ from transformers import PretrainedConfig
 
 import liteinfer
 from liteinfer.cache import KVCache
+from liteinfer.cache.kv_cache import pool_tensor
 from liteinfer.engine.compiled import cpu_example_batch
 from liteinfer.engine.step_inputs import StepInputs
 from liteinfer.layers import AttentionMetadata
@@ -122,7 +123,8 @@ class PackagedDecoder:
         per_token = [torch.zeros(batch, dtype=torch.long) for _ in range(4)]
         # Export keeps a pool's block count dynamic from 2 blocks only: a pool of one (one sequence of a short context)
         # is traced through a stand-in of its layout.
-        pool = [tensor if len(tensor) >= 2 else _with_blocks(tensor, 2) for tensor in self.pool]
+        pool = [tensor if len(tensor) >= 2 else pool_tensor((2, *tensor.shape[1:]), tensor.dtype, tensor.device)
+                for tensor in self.pool]
         inputs = (*per_token, torch.zeros(batch, width, dtype=torch.long), *pool)
         batch_dim = None if one else torch.export.Dim("batch", min=2, max=_MAX_BATCH)
         width_dim = torch.export.Dim("width", min=2, max=_MAX_WIDTH)
@@ -170,14 +172,6 @@ class PackagedDecoder:
                  [(t.shape[1:], t.dtype, t.dim_order()) for t in self.pool]]
         digest.update(repr(parts).encode())
         return digest.hexdigest()[:32]
-
-
-def _with_blocks(tensor: torch.Tensor, blocks: int) -> torch.Tensor:
-    """Zeros laid out as `tensor` (the same order of dimensions in memory), `blocks` long along its first."""
-    order = tensor.dim_order()
-    shape = (blocks, *tensor.shape[1:])
-    return torch.zeros([shape[dim] for dim in order], dtype=tensor.dtype).permute([order.index(dim)
-                                                                                 for dim in range(tensor.dim())])
 
 
 def _cpu_description() -> str:
