@@ -267,6 +267,55 @@ def test_echo_puts_the_prompt_and_its_logprobs_first_streamed_or_not(client, syn
     assert all(c.logprobs is None for c in without_logprobs.choices)
 
 
+def as_wire(positions, keep=lambda token_id, logprob: True) -> list:
+    """RequestOutput.prompt_logprobs as the server's JSON carries them (vLLM's form): null, or token id (a string)
+    -> its logprob, rank and text, for the entries `keep` takes."""
+    return [None if position is None else
+            {str(t): {"logprob": pytest.approx(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in position.items() if keep(t, lp)}
+            for position in positions]
+
+
+def test_prompt_logprobs_come_with_each_choice_and_the_chat_response(port, client, sync_llm):
+    """vLLM's extra field: a completion's choices each carry their prompt's logprobs (the first position null),
+    trimmed to the field's own top count when an echo with more logprobs made the engine compute more; a chat
+    response carries its prompt's at the top level."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, prompt_logprobs=3)
+    references = sync_llm.generate(PROMPTS[:2], params)
+    status, body = request(port, "POST", "/v1/completions", {"model": MODEL, "prompt": PROMPTS[:2], "n": 2,
+                                                             "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                             "prompt_logprobs": 3})
+    assert status == 200
+    expected = [as_wire(r.prompt_logprobs) for r in references for _ in range(2)]
+    assert [choice["prompt_logprobs"] for choice in body["choices"]] == expected
+    assert all(len(position) in (3, 4) for position in expected[0][1:])  # the top 3, and the prompt's token
+
+    status, body = request(port, "POST", "/v1/completions", {"model": MODEL, "prompt": PROMPTS[0], "echo": True,
+                                                             "logprobs": 3, "prompt_logprobs": 1,
+                                                             "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert status == 200
+    prompt_ids = references[0].prompt_token_ids
+    own_or_top = [lambda t, lp, own=own: t == own or lp.rank <= 1 for own in prompt_ids]
+    assert body["choices"][0]["prompt_logprobs"] == [
+        None, *(as_wire([position], keep)[0] for position, keep in zip(references[0].prompt_logprobs[1:],
+                                                                         own_or_top[1:]))]
+    assert all(len(top) == 3 for top in body["choices"][0]["logprobs"]["top_logprobs"][1:])
+
+    conversation = sync_llm.chat(QUESTION, params)[0]
+    status, body = request(port, "POST", "/v1/chat/completions", {"model": MODEL, "messages": QUESTION,
+                                                                  "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                                  "prompt_logprobs": 3})
+    assert status == 200
+    assert body["prompt_logprobs"] == as_wire(conversation.prompt_logprobs)
+    assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    status, body = request(port, "POST", "/v1/completions", {"model": MODEL, "prompt": PROMPTS[0]})
+    assert body["choices"][0]["prompt_logprobs"] is None
+    # 0 asks for nothing but the prompt's own tokens, which a stream cannot carry: let through as vLLM does.
+    chunks = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True, extra_body={"prompt_logprobs": 0})
+    assert "".join(chunk.choices[0].text for chunk in chunks) == references[0].outputs[0].text
+
+
 def test_chat_logprobs_list_the_top_alternatives(client):
     result = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0,
                                             logprobs=True, top_logprobs=3)
@@ -443,6 +492,17 @@ BAD_REQUESTS = {
                                     "max_tokens"),
     "max_tokens past the context, chat": ("POST", "/v1/chat/completions",
                                           {"messages": QUESTION, "max_completion_tokens": 100_000}, 400, "max_tokens"),
+    # As vLLM: a streamed response has nowhere to carry them.
+    "prompt_logprobs streamed": ("POST", "/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True},
+                                 400, "prompt_logprobs"),
+    "prompt_logprobs streamed, chat": ("POST", "/v1/chat/completions",
+                                       {"messages": QUESTION, "prompt_logprobs": 1, "stream": True}, 400,
+                                       "prompt_logprobs"),
+    "negative prompt_logprobs": ("POST", "/v1/completions", {"prompt": "hi", "prompt_logprobs": -1}, 400,
+                                 "prompt_logprobs"),
+    "prompt_logprobs past max_logprobs": ("POST", "/v1/chat/completions", {"messages": QUESTION,
+                                                                           "prompt_logprobs": 21}, 400,
+                                          "prompt_logprobs"),
     "stream_options without stream": ("POST", "/v1/completions",
                                       {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
                                       "stream_options"),

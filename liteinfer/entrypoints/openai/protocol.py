@@ -58,14 +58,23 @@ class SamplingRequest(OpenAIRequest):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    # vLLM's extra: each prompt token's logprob and the top `prompt_logprobs` tokens at its position, in a whole
+    # response (a completion's choices, a chat response's top level); streamed responses refuse it, as vLLM's do.
+    prompt_logprobs: int | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """Raises ValueError (naming the field first) for values SamplingParams refuses."""
+                        echo_logprobs: int | None = None) -> SamplingParams:
+        """The request's SamplingParams; the engine computes the prompt's logprobs for the `prompt_logprobs` field and
+        an echo's `echo_logprobs` alike, at the larger top count of the two. Raises ValueError (naming the field
+        first) for values SamplingParams refuses."""
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is for streamed responses only: set stream to true, or leave it out")
+        if self.stream and self.prompt_logprobs:  # 0 passes, as in vLLM: then nothing is asked of the engine
+            raise ValueError("prompt_logprobs are not available in streamed responses: leave stream out")
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
-        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        asked = [top for top in (None if self.stream else self.prompt_logprobs, echo_logprobs) if top is not None]
+        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs,
+                              prompt_logprobs=max(asked, default=None))
 
     @property
     def include_usage(self) -> bool:
@@ -169,12 +178,26 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token's entry at a prompt position (vLLM's form of `prompt_logprobs`)."""
+
+    logprob: float
+    rank: int  # 1 = the likeliest
+    decoded_token: str | None
+
+
+# Per prompt position: null for the first (nothing predicts it), else token id -> its entry, for the prompt's own
+# token and the top `prompt_logprobs` ones.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended the sample (vLLM's extra)
+    prompt_logprobs: PromptLogprobs | None = None  # its prompt's, when asked for (vLLM's extra)
 
 
 class CompletionResponse(BaseModel):
@@ -222,6 +245,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # when asked for (vLLM's extra)
 
 
 class ChatDelta(BaseModel):

@@ -46,6 +46,8 @@ from liteinfer.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
     OpenAIRequest,
+    PromptLogprob,
+    PromptLogprobs,
     TokenizeRequest,
     TokenizeResponse,
     TokenLogprob,
@@ -209,7 +211,15 @@ class OpenAIServer:
                 index=index, text=text, finish_reason=finish_reason, stop_reason=stop_reason,
                 logprobs=None if num_top is None else _completion_logprobs(token_ids, positions, num_top, offset,
                                                                            first_token),
+                prompt_logprobs=prompt_logprobs(request_id),
             )
+
+        def prompt_logprobs(request_id: str) -> PromptLogprobs | None:
+            if body.prompt_logprobs is None or body.stream:
+                return None
+            # An echo with more logprobs than the field asks for made the engine compute more: its ids trim them.
+            own_ids = None if echoes is None else echoes[batch.request_ids.index(request_id)].token_ids
+            return _prompt_logprobs(batch.prompt_logprobs[request_id], body.prompt_logprobs, own_ids)
 
         if body.stream:
             started: set[int] = set()  # the choices whose first chunk (with the prompt, if echoed) has gone out
@@ -284,8 +294,11 @@ class OpenAIServer:
                        finish_reason=s.finish_reason, stop_reason=s.stop_reason)
             for i, s in enumerate(samples)
         ]
-        response = ChatCompletionResponse(id=batch.id, created=batch.created, model=self.model_name,
-                                          choices=choices, usage=batch.usage.total())
+        response = ChatCompletionResponse(
+            id=batch.id, created=batch.created, model=self.model_name, choices=choices, usage=batch.usage.total(),
+            prompt_logprobs=None if body.prompt_logprobs is None else _prompt_logprobs(
+                batch.prompt_logprobs[batch.request_ids[0]], body.prompt_logprobs),
+        )
         return JSONResponse(response.model_dump())
 
     # ----------------------------------------------------------------------------------------------------------
@@ -457,6 +470,17 @@ def _completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs 
         out.text_offset.append(offset)
         offset += len(chosen.decoded_token or "")
     return out
+
+
+def _prompt_logprobs(positions: list[PositionLogprobs | None], k: int,
+                     prompt_token_ids: list[int] | None = None) -> PromptLogprobs:
+    """The engine's prompt logprobs, computed at top count `k`, in vLLM's wire form. Computed at a larger one (for an
+    echo), each position keeps its own prompt token (from `prompt_token_ids`) and the top `k`."""
+    own = prompt_token_ids or [None] * len(positions)
+    return [None if position is None else {
+        token_id: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+        for token_id, lp in position.items() if prompt_token_ids is None or lp.rank <= k or token_id == own_id
+    } for position, own_id in zip(positions, own, strict=True)]
 
 
 def _chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], k: int) -> ChatLogprobs:
