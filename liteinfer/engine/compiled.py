@@ -180,6 +180,6 @@ class CompiledDecoder:
                 )
                 # On CUDA a shape's first run is cudagraph trees' eager warm-up; its second is captured.
                 for _ in range(2 if self.cuda_graphs else 1):
-                    self(StepInputs(ids, meta, torch.arange(batch, device=device)))
+                    self(StepInputs(ids, meta, torch.arange(batch, device=device), batch))
         self.warmed_up = True
         logger.info("decode step compiled in %.0f s", time.perf_counter() - start)

@@ -16,15 +16,11 @@ from liteinfer.engine.packaged import PackagedDecoder
 from liteinfer.engine.scheduler import ScheduledBatch
 from liteinfer.engine.sequence import Sequence
 from liteinfer.engine.step_inputs import StepInputs
-from liteinfer.engine.workers import WorkerPool, sampling_hidden
+from liteinfer.engine.workers import WorkerPool, head_groups, sampling_hidden
 from liteinfer.layers import AttentionMetadata, PrefillSpan
 from liteinfer.outputs import PositionLogprobs
 from liteinfer.sampling import Sampler, SamplerOutput, SamplingRow
 from liteinfer.sampling.sampler import gather_logprobs
-
-# Prompt positions whose logprobs are gathered together: the log-softmax and the ranks' comparisons each take a
-# [rows, vocab] temporary (SmolLM2: 50 MB in fp32 at 256 rows), which a long chunk would otherwise take whole.
-SCORED_ROWS_AT_ONCE = 256
 
 
 class ModelRunner:
@@ -51,7 +47,7 @@ class ModelRunner:
         input_ids, meta, sampling, scored = self._prepare(batch)
         score_rows = [row for _, first_row, positions in scored for row in range(first_row, first_row + len(positions))]
         logit_rows = torch.tensor([row for _, row in sampling] + score_rows, dtype=torch.long, device=self.device)
-        step = StepInputs(input_ids, meta, logit_rows)
+        step = StepInputs(input_ids, meta, logit_rows, len(sampling))
         seqs = [batch.seqs[i] for i, _ in sampling]
         rows = [SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator) for seq in seqs]
         result = StepResult([i for i, _ in sampling])
@@ -65,10 +61,10 @@ class ModelRunner:
             if not scored:
                 result.sampled = self._sample(hidden, rows) if sampling else None
                 return result
-            # One head call over every row: with tensor parallelism the other ranks make the same one.
-            logits = self.model.compute_logits(hidden)
-            result.sampled = self.sampler(logits[: len(sampling)], rows) if sampling else None
-            result.prompt_logprobs = self._score_prompts(logits[len(sampling) :], batch, scored)
+            # The head calls in the groups every rank makes (with tensor parallelism each call is a collective).
+            groups = head_groups(hidden, len(sampling))
+            result.sampled = self.sampler(self.model.compute_logits(groups.pop(0)), rows) if sampling else None
+            result.prompt_logprobs = self._score_prompts(groups, batch, scored)
         except RuntimeError as exc:  # a collective failed: if a worker died, say so rather than how it showed
             if self.workers is not None:
                 self.workers.check(failed=exc)
@@ -83,20 +79,22 @@ class ModelRunner:
             return self.sampler(self.model.compute_logits(hidden), rows)
         return self.sampler.from_argmax(argmax.tolist(), rows, lambda held: self.model.compute_logits(hidden[held]))
 
-    def _score_prompts(self, logits: torch.Tensor, batch: ScheduledBatch,
+    def _score_prompts(self, groups: list[torch.Tensor], batch: ScheduledBatch,
                        scored: list[tuple[int, int, range]]) -> dict[int, list[PositionLogprobs]]:
-        """The logprobs of the prompt tokens that `logits` (the scored positions' rows, in order) predict, each with
-        the top `prompt_logprobs` tokens at its position; by batch position."""
+        """The logprobs of the prompt tokens that the scored positions' hidden states (`groups` of them, in order)
+        predict, each with the top `prompt_logprobs` tokens at its position; by batch position. Each group's logits
+        are made and reduced before the next's."""
         next_tokens, num_top = [], []
         for i, _, positions in scored:
             seq = batch.seqs[i]
             next_tokens += seq.token_ids[positions.start + 1 : positions.stop + 1]
             num_top += [seq.params.prompt_logprobs] * len(positions)
-        tokens = torch.tensor(next_tokens, dtype=torch.long, device=logits.device)
+        tokens = torch.tensor(next_tokens, dtype=torch.long, device=self.device)
         tops: list[PositionLogprobs] = []
-        for first in range(0, len(tokens), SCORED_ROWS_AT_ONCE):
-            rows = slice(first, first + SCORED_ROWS_AT_ONCE)
-            tops += gather_logprobs(logits[rows].log_softmax(-1, dtype=torch.float32), tokens[rows], num_top[rows])[1]
+        for group in groups:
+            rows = slice(len(tops), len(tops) + len(group))
+            logprobs = self.model.compute_logits(group).log_softmax(-1, dtype=torch.float32)
+            tops += gather_logprobs(logprobs, tokens[rows], num_top[rows])[1]
         by_seq, at = {}, 0
         for i, _, positions in scored:
             by_seq[i], at = tops[at : at + len(positions)], at + len(positions)

@@ -122,11 +122,25 @@ def model_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
         yield from module.buffers(recurse=False)
 
 
-def run_step(model: nn.Module, step: StepInputs) -> torch.Tensor | None:
-    """The forward every rank runs: all tokens, then the LM head on the rows of `step.sample_rows` (logits on rank 0
-    only)."""
+# Scored prompt positions go through the LM head this many rows a call: a long chunk's [rows, vocab] logits (SmolLM2:
+# 400 MB in fp32 at 2,048 rows; a 152k vocabulary's 1.2 GB) are never taken whole, nor their log-softmax.
+SCORED_ROWS_AT_ONCE = 256
+
+
+def head_groups(hidden: torch.Tensor, num_sampling: int) -> list[torch.Tensor]:
+    """The rows of `hidden` (a step's `sample_rows`) as every rank gives them to the LM head, one call a group: the
+    sampling rows together, then the scored prompt positions `SCORED_ROWS_AT_ONCE` at a time. With tensor
+    parallelism each call is a collective, so all ranks must cut alike."""
+    scored = hidden[num_sampling:]
+    return [hidden[:num_sampling]] * (num_sampling > 0) + list(scored.split(SCORED_ROWS_AT_ONCE)) * (len(scored) > 0)
+
+
+def run_step(model: nn.Module, step: StepInputs) -> None:
+    """The forward a rank other than 0 runs: all tokens, then the LM head on the rows of `step.sample_rows` in rank
+    0's groups (it gathers the logits)."""
     hidden = sampling_hidden(model, step)
-    return None if hidden is None else model.compute_logits(hidden)
+    for rows in [] if hidden is None else head_groups(hidden, step.num_sampling):
+        model.compute_logits(rows)
 
 
 def sampling_hidden(model: nn.Module, step: StepInputs) -> torch.Tensor | None:

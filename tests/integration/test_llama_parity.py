@@ -20,7 +20,7 @@ from parity import (
 )
 
 from liteinfer import LLM, RequestOutput, RequestOutputKind, SamplingParams
-from liteinfer.engine import model_runner
+from liteinfer.engine import workers
 
 # Prompts of at most 16 tokens, so that with max_model_len=64 each can generate NUM_NEW.
 SHORT_PROMPTS = [
@@ -94,12 +94,19 @@ def test_llama_generated_logprobs_match_transformers_log_softmax(parity):
 def test_llama_prompt_logprobs_match_transformers_log_softmax(parity, monkeypatch):
     """prompt_logprobs: each prompt token's logprob with the top 3 at its position (ranks and text too) is
     transformers' value, the first token's None; the generated tokens are those of a request without them. (The
-    positions' logprobs gathered 5 at a time, so that a step's come in several slices.)"""
-    monkeypatch.setattr(model_runner, "SCORED_ROWS_AT_ONCE", 5)
+    positions' logits computed and gathered 5 rows at a time, so that a step's come in several head calls: a long
+    chunk's [rows, vocab] logits are never taken whole.)"""
+    monkeypatch.setattr(workers, "SCORED_ROWS_AT_ONCE", 5)
     llm, hf_model = parity
+    model, head_calls = llm.engine.runner.model, []
+    monkeypatch.setattr(model, "compute_logits", lambda hidden, head=model.compute_logits: (
+        head_calls.append(len(hidden)), head(hidden))[1])
     num_top = 3
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     outputs = llm.generate(PROMPTS, replace(params, prompt_logprobs=num_top))
+    # The sampling rows (at most the 4 prompts) in one call, then the scored positions in calls of at most 5 rows.
+    assert head_calls and max(head_calls) <= 5
+    assert sum(head_calls) >= sum(len(out.prompt_token_ids) - 1 for out in outputs)
     assert [out.outputs[0].token_ids for out in outputs] == [
         out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
     for out in outputs:

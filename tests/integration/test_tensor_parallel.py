@@ -58,6 +58,22 @@ def test_tp2_prompt_logprobs_equal_tp1(tiny_llama_dir):
     assert_same_prompt_scores(sharded, [out.prompt_logprobs for out in expected])
 
 
+def test_tp2_scores_a_long_prompt_in_the_same_head_calls_as_rank_0(tiny_llama_dir):
+    """A step scoring more prompt positions than one head call takes (`SCORED_ROWS_AT_ONCE`): every rank makes
+    the same calls, one for the sampling rows and one per group of scored rows."""
+    prompt = {"prompt_token_ids": [(7 * i) % 3000 + 10 for i in range(400)]}
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    options = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=512)
+
+    def outputs(**more):
+        with LLM(str(tiny_llama_dir), **options, **more) as llm:
+            return llm.generate([prompt, "Hello"], params)
+
+    expected, sharded = outputs(), outputs(tensor_parallel_size=2)
+    assert [out.outputs[0].token_ids for out in sharded] == [out.outputs[0].token_ids for out in expected]
+    assert_same_prompt_scores(sharded, [out.prompt_logprobs for out in expected])
+
+
 class Recorded:
     """A checkpoint tensor that records how many elements each read takes."""
 

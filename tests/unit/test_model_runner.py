@@ -1,8 +1,11 @@
+from unittest.mock import patch
+
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from liteinfer import SamplingParams
+from liteinfer.engine import workers
 from liteinfer.engine.model_runner import ModelRunner, cache_slots
 from liteinfer.engine.scheduler import ScheduledBatch
 from liteinfer.engine.sequence import Sequence
@@ -51,3 +54,18 @@ def test_each_token_takes_the_path_of_what_it_is_whatever_the_steps_shape():
     assert meta.slot_blocks.tolist() == [11, 21, 21, 22, 20, 20, 20, 20, 21, 21, 31, 31, 31, 41]
     assert meta.slot_offsets.tolist() == [3, 2, 3, 0, 0, 1, 2, 3, 0, 1, 0, 1, 2, 0]
     assert sampling == [(0, 0), (1, 3), (3, 13)]  # (batch position, row), in row order
+
+
+@given(num_sampling=st.integers(0, 40), num_scored=st.integers(0, 40), at_once=st.integers(1, 16))
+def test_head_groups_take_the_sampling_rows_together_then_the_scored_ones_a_few_at_a_time(
+        num_sampling, num_scored, at_once):
+    """Every rank cuts a step's head calls alike (each is a collective with tensor parallelism): never an empty call,
+    the sampling rows in one, the scored rows in calls of at most `SCORED_ROWS_AT_ONCE`, all in order."""
+    hidden = torch.arange(num_sampling + num_scored).float()[:, None]
+    with patch.object(workers, "SCORED_ROWS_AT_ONCE", at_once):
+        groups = workers.head_groups(hidden, num_sampling)
+    assert all(len(group) for group in groups)
+    assert torch.equal(torch.cat(groups) if groups else hidden, hidden)
+    scored = groups[1:] if num_sampling else groups
+    assert len(groups) - len(scored) == (num_sampling > 0) and all(len(group) <= at_once for group in scored)
+    assert len(scored) == -(-num_scored // at_once)
