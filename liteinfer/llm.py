@@ -73,11 +73,9 @@ class LLM:
             raise ValueError(f"messages is a conversation (a list of messages) or a list of them, got "
                              f"{type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            {"prompt_token_ids": self.apply_chat_template(conversation, add_generation_prompt, continue_final_message,
-                                                          chat_template_kwargs)}
-            for conversation in conversations
-        ]
+        # The rendered text comes with the ids, as the outputs' `prompt` (vLLM's).
+        prompts = [render_chat(self.tokenizer, conversation, add_generation_prompt, continue_final_message,
+                               chat_template_kwargs) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(
@@ -91,4 +89,4 @@ class LLM:
         message left open to be continued (`continue_final_message`); `chat_template_kwargs` are further variables
         of the template (Qwen3's `enable_thinking`, ...)."""
         return render_chat(self.tokenizer, conversation, add_generation_prompt, continue_final_message,
-                           chat_template_kwargs)
+                           chat_template_kwargs)["prompt_token_ids"]

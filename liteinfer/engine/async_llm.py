@@ -260,8 +260,9 @@ class AsyncLLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """As `LLM.apply_chat_template`."""
-        return await self._on_engine(render_chat, self.tokenizer, conversation, add_generation_prompt,
-                                     continue_final_message, chat_template_kwargs)
+        prompt = await self._on_engine(render_chat, self.tokenizer, conversation, add_generation_prompt,
+                                       continue_final_message, chat_template_kwargs)
+        return prompt["prompt_token_ids"]
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._on_engine(encode_text, self.tokenizer, text, add_special_tokens=add_special_tokens)

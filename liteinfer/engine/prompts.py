@@ -75,7 +75,7 @@ def template_messages(conversation: object) -> list[Message]:
     """A conversation as chat templates read it, or a ValueError saying what is wrong with it (a template fails on
     a malformed message with a jinja2 UndefinedError or a TypeError that does not). Each message needs a string
     `role`; its `content` may be a string, None (empty) or, as OpenAI's API sends it, a list of text parts, which
-    are joined. Other fields pass through."""
+    are joined by newlines (as vLLM joins them for templates that read a string). Other fields pass through."""
     if not isinstance(conversation, list):
         raise ValueError(f"a conversation is a list of messages, got {type(conversation).__name__}")
     messages = []
@@ -87,7 +87,7 @@ def template_messages(conversation: object) -> list[Message]:
             isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
             for part in content
         ):
-            content = "".join(part["text"] for part in content)
+            content = "\n".join(part["text"] for part in content)
         if content is not None and not isinstance(content, str):
             raise ValueError(f"message {i}'s content must be a string or a list of text parts, got {content!r:.80}")
         messages.append({**message, "content": content or ""})
@@ -100,8 +100,9 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
-) -> list[int]:
-    """The prompt token ids of a conversation, rendered with the tokenizer's chat template: ending with the
+) -> dict[str, Any]:
+    """A conversation as the engine's prompt, `{"prompt": text, "prompt_token_ids": ids}`, rendered with the
+    tokenizer's chat template: ending with the
     assistant's turn opened (`add_generation_prompt`) or with the last message left open for the model to go on
     with (`continue_final_message`). `chat_template_kwargs` are further variables the template reads (Qwen3's
     `enable_thinking`, for one). A template that refuses the conversation (alternating roles, ...) raises
@@ -131,4 +132,4 @@ def render_chat(
     except (jinja2.TemplateError, TypeError) as e:
         raise ValueError(f"the chat template refused the conversation: {e}") from e
     # The template already writes any BOS it wants; letting the tokenizer add another would double it.
-    return encode_text(tokenizer, text, add_special_tokens=False)
+    return {"prompt": text, "prompt_token_ids": encode_text(tokenizer, text, add_special_tokens=False)}

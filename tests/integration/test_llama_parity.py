@@ -710,8 +710,10 @@ def test_llm_chat_malformed_conversation_raises_valueerror(llm, messages, match)
 
 
 def test_llm_chat_content_as_text_parts_or_none_renders_as_a_string(llm):
-    parts = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2 + 2?"}]}]
-    assert llm.apply_chat_template(parts) == llm.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}])
+    """Text parts are joined by newlines, as vLLM joins them for templates that read a string."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "First."}, {"type": "text", "text": "Second."}]}]
+    assert llm.apply_chat_template(parts) == llm.apply_chat_template([{"role": "user",
+                                                                       "content": "First.\nSecond."}])
     assert llm.apply_chat_template([{"role": "user", "content": None}]) == llm.apply_chat_template(
         [{"role": "user", "content": ""}])
 
@@ -721,4 +723,7 @@ def test_llm_chat_list_of_conversations_one_output_each_in_order(llm):
     assert len(outs) == len(CONVERSATIONS)
     for out, conversation in zip(outs, CONVERSATIONS, strict=True):
         assert out.prompt_token_ids == chat_template_ids(llm.tokenizer, conversation)
+        # As vLLM's: the prompt is the rendered template's text.
+        assert out.prompt == llm.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                                               tokenize=False)
         assert out.finished and len(out.outputs[0].token_ids) == 4

@@ -33,16 +33,17 @@ def test_one_params_for_every_prompt_or_one_each():
 
 
 def test_generation_prompt_opens_the_assistants_turn(smollm2_tokenizer):
-    rendered = smollm2_tokenizer.decode(render_chat(smollm2_tokenizer, [QUESTION]))
-    assert rendered.endswith("What is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
-    without = smollm2_tokenizer.decode(render_chat(smollm2_tokenizer, [QUESTION], add_generation_prompt=False))
+    rendered = render_chat(smollm2_tokenizer, [QUESTION])  # the engine's prompt: text and ids (BOS not doubled)
+    assert rendered["prompt"].endswith("What is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+    assert rendered["prompt_token_ids"] == smollm2_tokenizer.encode(rendered["prompt"], add_special_tokens=False)
+    without = render_chat(smollm2_tokenizer, [QUESTION], add_generation_prompt=False)["prompt"]
     assert without.endswith("What is 2 + 2?<|im_end|>\n")
 
 
 def test_continue_final_message_leaves_the_last_message_open(smollm2_tokenizer):
-    token_ids = render_chat(smollm2_tokenizer, [QUESTION, STARTED_REPLY], add_generation_prompt=False,
-                            continue_final_message=True)
-    assert smollm2_tokenizer.decode(token_ids).endswith("<|im_start|>assistant\nThe answer is")
+    rendered = render_chat(smollm2_tokenizer, [QUESTION, STARTED_REPLY], add_generation_prompt=False,
+                           continue_final_message=True)
+    assert rendered["prompt"].endswith("<|im_start|>assistant\nThe answer is")
 
 
 def test_continue_final_message_with_generation_prompt_raises(smollm2_tokenizer):
@@ -65,9 +66,9 @@ def templated(smollm2_tokenizer):
 
 
 def test_chat_template_kwargs_are_the_templates_variables(templated):
-    plain = templated.decode(render_chat(templated, [QUESTION]))
+    plain = render_chat(templated, [QUESTION])["prompt"]
     assert plain == "user: What is 2 + 2?\nassistant: "
-    no_thinking = templated.decode(render_chat(templated, [QUESTION], chat_template_kwargs={"enable_thinking": False}))
+    no_thinking = render_chat(templated, [QUESTION], chat_template_kwargs={"enable_thinking": False})["prompt"]
     assert no_thinking == "user: What is 2 + 2?\nNO THINKING\nassistant: "
 
 
