@@ -102,11 +102,10 @@ def render_chat(
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A conversation as the engine's prompt, `{"prompt": text, "prompt_token_ids": ids}`, rendered with the
-    tokenizer's chat template: ending with the
-    assistant's turn opened (`add_generation_prompt`) or with the last message left open for the model to go on
-    with (`continue_final_message`). `chat_template_kwargs` are further variables the template reads (Qwen3's
-    `enable_thinking`, for one). A template that refuses the conversation (alternating roles, ...) raises
-    ValueError with its message."""
+    tokenizer's chat template: ending with the assistant's turn opened (`add_generation_prompt`) or with the last
+    message left open for the model to go on with (`continue_final_message`). `chat_template_kwargs` are further
+    variables the template reads (Qwen3's `enable_thinking`, for one). A template that refuses the conversation
+    (alternating roles, ...) raises ValueError with its message."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
     if add_generation_prompt and continue_final_message:

@@ -131,8 +131,10 @@ def head_groups(hidden: torch.Tensor, num_sampling: int) -> list[torch.Tensor]:
     """The rows of `hidden` (a step's `sample_rows`) as every rank gives them to the LM head, one call a group: the
     sampling rows together, then the scored prompt positions `SCORED_ROWS_AT_ONCE` at a time. With tensor
     parallelism each call is a collective, so all ranks must cut alike."""
-    scored = hidden[num_sampling:]
-    return [hidden[:num_sampling]] * (num_sampling > 0) + list(scored.split(SCORED_ROWS_AT_ONCE)) * (len(scored) > 0)
+    groups = [hidden[:num_sampling]] if num_sampling else []
+    if len(hidden) > num_sampling:  # (an empty tensor splits into one empty group: a call the other ranks skip)
+        groups += hidden[num_sampling:].split(SCORED_ROWS_AT_ONCE)
+    return groups
 
 
 def run_step(model: nn.Module, step: StepInputs) -> None:
