@@ -48,6 +48,11 @@ class EngineConfig:
     # The most top tokens a request's `logprobs` may ask for at each position (vLLM's option and default); -1: the
     # whole vocabulary. A step's logprobs are gathered for the largest number any of its rows asks for.
     max_logprobs: int = 20
+    # The sampling a request without SamplingParams (or a server request leaving fields out) gets, as vLLM's
+    # --generation-config: "auto", what the checkpoint's generation_config.json recommends (temperature, top_p,
+    # top_k, min_p, repetition_penalty, max_new_tokens); "vllm", SamplingParams' own defaults; or a directory
+    # holding the generation_config.json to take them from.
+    generation_config: str = "auto"
     # Ranks the model is sharded over (Megatron-style, one process per rank on this host; see engine/workers.py).
     tensor_parallel_size: int = 1
     # Engine replicas, each of tensor_parallel_size ranks, run as Ray actors; requests go to the least loaded.
@@ -94,6 +99,8 @@ class EngineConfig:
             require(isinstance(getattr(self, flag), bool), flag, "must be a bool")
         require(self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 1,
                 "long_prefill_token_threshold", "must be >= 1")
+        require(isinstance(self.generation_config, str) and bool(self.generation_config), "generation_config",
+                "must be 'auto', 'vllm' or a directory")
         require(self.max_logprobs >= -1, "max_logprobs", "must be >= 0, or -1 for the whole vocabulary")
         require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         require(self.data_parallel_size >= 1, "data_parallel_size", "must be >= 1")

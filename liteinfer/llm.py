@@ -40,7 +40,8 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        requests = check_all(self.engine, final_outputs_only(pair_prompts(prompts, sampling_params)))
+        requests = check_all(self.engine, final_outputs_only(pair_prompts(prompts, sampling_params,
+                                                                          self.get_default_sampling_params())))
         request_ids = [f"gen-{next(self._request_ids)}" for _ in requests]
         for request_id, (prompt, params) in zip(request_ids, requests):
             self.engine.add_request(request_id, prompt, params)
@@ -77,6 +78,11 @@ class LLM:
         prompts = [render_chat(self.tokenizer, conversation, add_generation_prompt, continue_final_message,
                                chat_template_kwargs) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams: the model's recommended sampling
+        (its generation_config.json; the `generation_config` option), else SamplingParams' defaults."""
+        return self.engine.default_sampling_params()
 
     def apply_chat_template(
         self,

@@ -146,8 +146,8 @@ class AsyncLLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Submit every prompt at once (they are batched together); the final outputs, in prompt order."""
-        request_ids, queue = await self._submit(final_outputs_only(pair_prompts(prompts, sampling_params)), None,
-                                                max_tokens_must_fit=False)
+        requests = final_outputs_only(pair_prompts(prompts, sampling_params, self.engine.default_sampling_params()))
+        request_ids, queue = await self._submit(requests, None, max_tokens_must_fit=False)
         unfinished, finished = set(request_ids), {}
         try:
             while unfinished:
@@ -180,7 +180,7 @@ class AsyncLLM:
         ones, read or not. The params' `output_kind` says which steps send events: FINAL_ONLY only the last one a
         sample; CUMULATIVE and DELTA each step. `max_tokens_must_fit`: refuse a request whose prompt and max_tokens
         exceed the context (a server's rule; otherwise it ends where the context does, finish_reason "length")."""
-        requests = delta_outputs(pair_prompts(list(prompts), sampling_params))
+        requests = delta_outputs(pair_prompts(list(prompts), sampling_params, self.engine.default_sampling_params()))
         ids, queue = await self._submit(requests, request_ids, max_tokens_must_fit)
         events = self._events(ids, queue)
         await anext(events)  # into the `try` that aborts the unfinished, before the caller can close or drop it

@@ -26,7 +26,7 @@ from typing import Any
 from liteinfer.config import EngineConfig
 from liteinfer.engine.llm_engine import EngineStats, LLMEngine, PromptType
 from liteinfer.engine.workers import freeze_startup_objects
-from liteinfer.models.source import load_config, load_tokenizer, resolve_model
+from liteinfer.models.source import load_config, load_tokenizer, resolve_model, sampling_defaults
 from liteinfer.outputs import CompletionOutput, RequestOutput
 from liteinfer.sampling import RequestOutputKind, SamplingParams
 
@@ -116,6 +116,7 @@ class _Tracked:
 
 class DataParallelEngine:
     validate_request = LLMEngine.validate_request  # the same checks, over tokenizer, hf_config and max_model_len
+    default_sampling_params = LLMEngine.default_sampling_params
 
     def __init__(self, config: EngineConfig):
         ray = _ray()
@@ -123,6 +124,7 @@ class DataParallelEngine:
         source = resolve_model(config.model)  # converts a GGUF once, here, before the replicas look for it
         self.hf_config = load_config(source)
         self.tokenizer = load_tokenizer(source)
+        self.sampling_defaults = sampling_defaults(source, config.generation_config)
         if not ray.is_initialized():
             ray.init(address=config.ray_address, include_dashboard=False)
         replica_config = replace(config, data_parallel_size=1)
@@ -145,7 +147,7 @@ class DataParallelEngine:
     ) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         text, token_ids = self.validate_request(prompt, params)
         replica = self._least_loaded()
         self.requests[request_id] = _Tracked({"prompt": text, "prompt_token_ids": token_ids}, params, replica)

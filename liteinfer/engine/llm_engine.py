@@ -19,7 +19,14 @@ from liteinfer.engine.packaged import PackagedDecoder
 from liteinfer.engine.scheduler import Scheduler, StaticScheduler
 from liteinfer.engine.sequence import Request, Sequence
 from liteinfer.engine.workers import ShardSpec, WorkerPool, pack_weights, weights_left_for_onednn
-from liteinfer.models.source import ModelSource, generation_eos_token_ids, load_config, load_tokenizer, resolve_model
+from liteinfer.models.source import (
+    ModelSource,
+    generation_eos_token_ids,
+    load_config,
+    load_tokenizer,
+    resolve_model,
+    sampling_defaults,
+)
 from liteinfer.outputs import PositionLogprobs, RequestMetrics, RequestOutput
 from liteinfer.sampling import RequestOutputKind, Sampler, SamplerOutput, SamplingParams
 
@@ -65,6 +72,7 @@ class LLMEngine:
         source = resolve_model(config.model)
         self.hf_config = load_config(source)
         self.tokenizer = load_tokenizer(source)
+        self.sampling_defaults = sampling_defaults(source, config.generation_config)
         self.device = config.torch_device()
         if config.quantization is not None and self.device.type != "cpu":  # device="auto" found a GPU
             raise ValueError(f"quantization={config.quantization!r} runs on PyTorch's CPU kernels; use device='cpu'")
@@ -230,7 +238,7 @@ class LLMEngine:
     ) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         text, token_ids = self.validate_request(prompt, params)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -255,6 +263,10 @@ class LLMEngine:
         request = Request(request_id, text, token_ids, params, seqs, metrics, unforked=seqs[1:])
         self.requests[request_id] = request
         self.scheduler.add(seqs[0])
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request without SamplingParams samples with (`EngineConfig.generation_config`)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
         if seed is None:

@@ -23,15 +23,16 @@ Message = dict[str, str]
 def pair_prompts(
     prompts: PromptType | SequenceABC[PromptType],
     sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
+    defaults: SamplingParams,
 ) -> list[tuple[PromptType, SamplingParams]]:
-    """One prompt or a list, with one `SamplingParams` for all (None = defaults) or one per prompt."""
+    """One prompt or a list, with one `SamplingParams` for all (None = `defaults`) or one per prompt."""
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     if not isinstance(prompts, Iterable):
         raise ValueError(f"prompts are a prompt or a list of them, got {type(prompts).__name__}")
     prompts = list(prompts)
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        return [(prompt, sampling_params or SamplingParams()) for prompt in prompts]
+        return [(prompt, sampling_params or defaults) for prompt in prompts]
     params_list = list(sampling_params) if isinstance(sampling_params, Iterable) else [sampling_params]
     if isinstance(sampling_params, dict) or not all(isinstance(params, SamplingParams) for params in params_list):
         raise ValueError(f"sampling params are a SamplingParams or a list of them, one per prompt, got "

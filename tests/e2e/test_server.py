@@ -5,6 +5,7 @@ import gc
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -314,6 +315,31 @@ def test_prompt_logprobs_come_with_each_choice_and_the_chat_response(port, clien
     chunks = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
                                        stream=True, extra_body={"prompt_logprobs": 0})
     assert "".join(chunk.choices[0].text for chunk in chunks) == references[0].outputs[0].text
+
+
+def test_fields_a_request_leaves_out_take_the_models_recommended_sampling(tiny_llama_dir, tmp_path):
+    """As vLLM's server: the checkpoint's generation_config.json (here max_new_tokens and a temperature) fills the
+    sampling fields a request does not set; a request's own values win."""
+    directory = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, directory)
+    generation_config = json.loads((directory / "generation_config.json").read_text())
+    generation_config.update(do_sample=True, temperature=0.25, max_new_tokens=3)
+    (directory / "generation_config.json").write_text(json.dumps(generation_config))
+    llm = AsyncLLM(str(directory), dtype="float32")
+    submitted = []
+    submit = llm.submit
+    llm.submit = lambda prompts, params, *args, **options: (submitted.append(params),
+                                                            submit(prompts, params, *args, **options))[1]
+    with running_server(build_app(llm, MODEL)) as port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        chat = client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body={"ignore_eos": True})
+        own = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        completion = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=None,
+                                               extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 3 and own.usage.completion_tokens == 5
+    assert completion.usage.completion_tokens == 3
+    assert [(params.temperature, params.max_tokens) for params in submitted] == [(0.25, 3), (0, 5), (0.25, 3)]
 
 
 def test_chat_logprobs_list_the_top_alternatives(client):

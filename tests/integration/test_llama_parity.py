@@ -584,6 +584,30 @@ def test_generation_config_eos_ids_end_the_output(tiny_llama_dir, tmp_path, gree
     assert ignored.token_ids == greedy_ref.token_ids
 
 
+def test_generation_config_sampling_is_the_default_of_requests_without_params(tiny_llama_dir, tmp_path,
+                                                                              monkeypatch):
+    """As vLLM's `--generation-config auto` (its default): a request without SamplingParams samples as the
+    checkpoint's generation_config.json recommends; `generation_config="vllm"` keeps SamplingParams' own defaults."""
+    directory = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, directory)
+    generation_config = json.loads((directory / "generation_config.json").read_text())
+    generation_config.update(do_sample=True, temperature=0.6, top_p=0.9, top_k=20, max_new_tokens=5)
+    (directory / "generation_config.json").write_text(json.dumps(generation_config))
+    with LLM(str(directory), dtype="float32", num_kv_blocks=128) as llm:
+        defaults = llm.get_default_sampling_params()
+        assert defaults == SamplingParams(temperature=0.6, top_p=0.9, top_k=20, max_tokens=5)
+        added = []
+        add_request = llm.engine.add_request
+        monkeypatch.setattr(llm.engine, "add_request", lambda request_id, prompt, params, **more: (
+            added.append(params), add_request(request_id, prompt, params, **more))[1])
+        out = llm.generate(PROMPTS[0])[0].outputs[0]
+        chat = llm.chat([{"role": "user", "content": "Hi"}])[0].outputs[0]
+    assert [replace(params, output_kind=defaults.output_kind) for params in added] == [defaults, defaults]
+    assert len(out.token_ids) <= 5 and len(chat.token_ids) <= 5
+    with LLM(str(directory), dtype="float32", num_kv_blocks=128, generation_config="vllm") as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+
+
 def test_llm_stop_string_finishes_with_stop_and_the_string(llm, greedy_ref):
     start = len(prefix_text(llm, 6))
     stop = greedy_ref.text[start : start + 3]

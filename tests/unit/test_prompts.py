@@ -21,15 +21,17 @@ STARTED_REPLY = {"role": "assistant", "content": "The answer is"}
 def test_prompts_and_params_of_the_wrong_kind_are_a_value_error(prompts, params, match):
     """As every other bad input: a ValueError naming what was expected (a TypeError from deeper down before)."""
     with pytest.raises(ValueError, match=match):
-        pair_prompts(prompts, params)
+        pair_prompts(prompts, params, SamplingParams())
 
 
 def test_one_params_for_every_prompt_or_one_each():
     one, other = SamplingParams(temperature=0), SamplingParams(temperature=1)
-    assert pair_prompts("hi", None) == [("hi", SamplingParams())]
-    assert pair_prompts(["a", {"prompt_token_ids": [1]}], one) == [("a", one), ({"prompt_token_ids": [1]}, one)]
-    assert pair_prompts(("a", "b"), [one, other]) == [("a", one), ("b", other)]
-    assert pair_prompts((p for p in "ab"), iter([one, other])) == [("a", one), ("b", other)]
+    defaults = SamplingParams(top_k=20)
+    assert pair_prompts("hi", None, defaults) == [("hi", defaults)]
+    assert pair_prompts(["a", {"prompt_token_ids": [1]}], one, defaults) == [("a", one),
+                                                                            ({"prompt_token_ids": [1]}, one)]
+    assert pair_prompts(("a", "b"), [one, other], defaults) == [("a", one), ("b", other)]
+    assert pair_prompts((p for p in "ab"), iter([one, other]), defaults) == [("a", one), ("b", other)]
 
 
 def test_generation_prompt_opens_the_assistants_turn(smollm2_tokenizer):

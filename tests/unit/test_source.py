@@ -1,4 +1,5 @@
 import importlib.util
+import json
 
 import huggingface_hub
 import pytest
@@ -8,7 +9,14 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from liteinfer.models import source as source_module
-from liteinfer.models.source import ModelSource, gguf_cache_dir, load_config, load_tokenizer, resolve_model
+from liteinfer.models.source import (
+    ModelSource,
+    gguf_cache_dir,
+    load_config,
+    load_tokenizer,
+    resolve_model,
+    sampling_defaults,
+)
 
 
 def write_model_dir(directory, architectures=("LlamaForCausalLM",)) -> None:
@@ -189,3 +197,34 @@ def test_load_damaged_tokenizer_raises_naming_model(tmp_path, content):
 
     with pytest.raises(ValueError, match="tiny: its tokenizer could not be loaded"):
         load_tokenizer(ModelSource("tiny", tmp_path))
+
+
+def write_generation_config(directory, **fields) -> None:
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, **fields}))
+
+
+def test_sampling_defaults_are_what_the_generation_config_recommends(tmp_path):
+    """As vLLM's `--generation-config auto`: temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens
+    (as max_tokens) where the file sets them (not its other fields); `vllm` takes none, a directory its own file."""
+    write_generation_config(tmp_path, do_sample=True, temperature=0.6, top_p=0.9, top_k=50, min_p=0.05,
+                            repetition_penalty=1.05, max_new_tokens=100)
+    source = ModelSource("m", tmp_path)
+    expected = {"temperature": 0.6, "top_p": 0.9, "top_k": 50, "min_p": 0.05, "repetition_penalty": 1.05,
+                "max_tokens": 100}
+    assert sampling_defaults(source, "auto") == expected
+    assert sampling_defaults(source, "vllm") == {}
+    other = tmp_path / "other"
+    other.mkdir()
+    write_generation_config(other, do_sample=True, top_k=20)
+    assert sampling_defaults(source, str(other)) == {"top_k": 20}
+    assert sampling_defaults(ModelSource("m", other / "none"), "auto") == {}  # no file: none
+
+
+@pytest.mark.parametrize(("fields", "choice", "match"), [
+    ({"do_sample": True, "top_k": -5}, "auto", "m: its generation_config.json recommends sampling .*top_k"),
+    ({}, "nowhere", "generation_config.*'auto', 'vllm' or a directory"),
+])
+def test_sampling_defaults_refused_raise_naming_the_file(tmp_path, fields, choice, match):
+    write_generation_config(tmp_path, **fields)
+    with pytest.raises(ValueError, match=match):
+        sampling_defaults(ModelSource("m", tmp_path), choice)

@@ -62,19 +62,20 @@ class SamplingRequest(OpenAIRequest):
     # response (a completion's choices, a chat response's top level); streamed responses refuse it, as vLLM's do.
     prompt_logprobs: int | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+    def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None,
                         echo_logprobs: int | None = None) -> SamplingParams:
-        """The request's SamplingParams; the engine computes the prompt's logprobs for the `prompt_logprobs` field and
-        an echo's `echo_logprobs` alike, at the larger top count of the two. Raises ValueError (naming the field
-        first) for values SamplingParams refuses."""
+        """The request's SamplingParams: the fields it leaves out (None) take the model's recommended `defaults`
+        (`LLMEngine.sampling_defaults`), then SamplingParams' own; the engine computes the prompt's logprobs for the
+        `prompt_logprobs` field and an echo's `echo_logprobs` alike, at the larger top count of the two. Raises
+        ValueError (naming the field first) for values SamplingParams refuses."""
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is for streamed responses only: set stream to true, or leave it out")
         if self.stream and self.prompt_logprobs:  # 0 passes, as in vLLM: then nothing is asked of the engine
             raise ValueError("prompt_logprobs are not available in streamed responses: leave stream out")
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
         asked = [top for top in (None if self.stream else self.prompt_logprobs, echo_logprobs) if top is not None]
-        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs,
-                              prompt_logprobs=max(asked, default=None))
+        given["max_tokens"] = defaults.get("max_tokens") if max_tokens is None else max_tokens
+        return SamplingParams(**{**defaults, **given}, logprobs=logprobs, prompt_logprobs=max(asked, default=None))
 
     @property
     def include_usage(self) -> bool:

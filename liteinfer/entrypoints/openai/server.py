@@ -188,7 +188,8 @@ class OpenAIServer:
         prompt_only = body.echo and body.max_tokens == 0
         max_tokens = 1 if prompt_only else body.max_tokens
         with _user_errors(body):
-            params = body.sampling_params(max_tokens, num_top, num_top if body.echo else None)
+            params = body.sampling_params(self.llm.engine.sampling_defaults, max_tokens, num_top,
+                                          num_top if body.echo else None)
             prompts = body.prompts()
             echoes = [await self._echo(prompt) for prompt in prompts] if body.echo else None
         if echoes is not None:  # tokenized already: the engine takes the ids
@@ -262,7 +263,7 @@ class OpenAIServer:
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         with _user_errors(body):
-            params = body.sampling_params(max_tokens, num_top)
+            params = body.sampling_params(self.llm.engine.sampling_defaults, max_tokens, num_top)
             prompt = {"prompt_token_ids": await self.llm.apply_chat_template(
                 body.conversation(), body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
             )}
