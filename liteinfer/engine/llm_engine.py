@@ -89,7 +89,8 @@ class LLMEngine:
 
         # Rank 0 of tensor parallelism is this process; ranks 1..N-1 are worker processes (engine/workers.py).
         spec = ShardSpec(source, self.hf_config, self.dtype, self.device.type, config.block_size,
-                         torch.get_num_threads(), config.quantization, config.kv_cache_dtype == "int8")
+                         torch.get_num_threads(), self.max_model_len, config.quantization,
+                         config.kv_cache_dtype == "int8")
         self.tp, self.workers = TensorParallelGroup(), None
         if config.tensor_parallel_size > 1:
             self._check_tensor_parallel()

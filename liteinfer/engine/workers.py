@@ -66,6 +66,7 @@ class ShardSpec:
     device_type: str  # cpu | cuda; rank r of a CUDA engine uses cuda:r
     block_size: int
     num_threads: int  # torch CPU threads per rank, as rank 0 has them
+    max_model_len: int
     quantization: str | None = None  # int8 | int4 weight-only, see layers/quantization.py
     kv_cache_int8: bool = False  # kv_cache_dtype="int8", see cache/kv_cache.py
 
@@ -77,7 +78,7 @@ class ShardSpec:
         them to trace (engine/compiled.py)."""
         model_cls = get_model_class(self.hf_config.architectures)
         checkpoint = iter_checkpoint(self.source, self.hf_config, lazy=True)
-        model = build_model(model_cls, self.hf_config, self.dtype, device, checkpoint, tp)
+        model = build_model(model_cls, self.hf_config, self.dtype, device, checkpoint, tp, self.max_model_len)
         if self.quantization is not None:
             quantize_linears(model, self.quantization)
         pack_weights(model, onednn)

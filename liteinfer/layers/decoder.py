@@ -34,7 +34,7 @@ class DecoderSpec:
     num_kv_heads: int
     head_dim: int
     norm_eps: float
-    max_position: int
+    max_position: int  # positions served: the engine's max_model_len (the rotary tables' length)
     layer_types: tuple[str, ...]  # FULL or SLIDING, per layer
     sliding_window: int | None  # keys a query of a SLIDING layer sees, itself included
     rope: RopeParams  # of FULL layers

@@ -23,8 +23,12 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> tuple[float, 
         theta, scaling = float(getattr(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None) or {}
     if scaling.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
-    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
         scaling = None
+    elif rope_type == "longrope" and not scaling.get("factor"):
+        # The model's own extension, from its config: the context served (`RotaryEmbedding`'s) may be shorter.
+        scaling = {**scaling, "factor": config.max_position_embeddings / scaling["original_max_position_embeddings"]}
     return theta, scaling
 
 
@@ -44,15 +48,16 @@ def _longrope_inv_freq(
 ) -> tuple[torch.Tensor, float]:
     """Phi-3's LongRoPE: (inverse frequencies, factor scaling cos and sin); each frequency has its own divisor.
 
-    The divisors are `long_factor` when the positions served (`max_position`) run past the original context, else
-    `short_factor`: llama.cpp's rule, by context size. transformers picks per forward pass by the sequence's
-    length instead, and recomputes the sequence's whole cache when it grows past the original context; cached K/V
-    shared between sequences (prefix caching) cannot follow each sequence's length, so here the context decides.
+    The divisors are `long_factor` when the positions served (`max_position`, the engine's max_model_len) run past
+    the original context, else `short_factor`: llama.cpp's rule, by context size. transformers picks per forward
+    pass by the sequence's length instead, and recomputes the sequence's whole cache when it grows past the original
+    context; cached K/V shared between sequences (prefix caching) cannot follow each sequence's length, so here the
+    context decides.
     The two agree on every sequence when the context fits in the original one, and otherwise on every sequence
     whose prompt runs past it.
     """
     original = scaling["original_max_position_embeddings"]
-    factor = scaling.get("factor") or max_position / original
+    factor = scaling["factor"]  # the model's (`rope_parameters`), not the context served
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:  # the paper's default: make up for the entropy of the longer context
         attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0

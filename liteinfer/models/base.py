@@ -3,6 +3,8 @@ config fields that all transformers configs spell alike. A family's file says on
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -91,10 +93,15 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: PretrainedConfig, tp: TensorParallelGroup | None = None):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallelGroup | None = None,
+                 max_model_len: int | None = None):
+        """`max_model_len`: the positions the engine serves, if fewer than the config's limit (long-rope picks its
+        factors by it)."""
         super().__init__()
         self.config = config
         spec = self.spec(config)
+        if max_model_len is not None:
+            spec = replace(spec, max_position=max_model_len)
         tp = tp or TensorParallelGroup()
         self.model = DecoderModel(spec, tp)
         tied = self.model.embed_tokens if spec.tie_word_embeddings else None

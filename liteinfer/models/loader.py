@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from liteinfer.models.source import ModelSource
 
 INDEX_FILE = "model.safetensors.index.json"
-# Derived state that some older checkpoints saved; our layers compute it.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Derived state that some older checkpoints saved (ColossalAI's the rotary tables too); our layers compute it.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # GGUF architectures whose q/k rows llama.cpp's converter permutes for its interleaved rope (Mistral is
 # stored as "llama" too); other architectures keep the Hugging Face row order.
 _ROPE_PERMUTED_ARCHS = {"llama"}
@@ -279,9 +279,10 @@ def build_model(
     device: torch.device,
     checkpoint: Checkpoint,
     tp: TensorParallelGroup | None = None,
+    max_model_len: int | None = None,
 ) -> nn.Module:
-    """Allocate the model (this tensor-parallel rank's shard of it) directly on `device` in `dtype`, then stream
-    the checkpoint into it.
+    """Allocate the model (this tensor-parallel rank's shard of it, serving `max_model_len` positions if given)
+    directly on `device` in `dtype`, then stream the checkpoint into it.
 
     Parameters are created empty where they will live, so there is never a second full copy of the weights
     (no CPU staging copy, no float32 copy of a bfloat16 model), and a rank reads only its slices.
@@ -290,7 +291,8 @@ def build_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(config) if tp is None else model_cls(config, tp)
+            given = {name: value for name, value in (("tp", tp), ("max_model_len", max_model_len)) if value is not None}
+            model = model_cls(config, **given)
     finally:
         torch.set_default_dtype(default_dtype)
     load_weights(model, checkpoint)

@@ -14,6 +14,7 @@ from parity import (
     FAMILY_VARIANTS,
     GREEDY,
     NUM_NEW,
+    PROMPTS,
     all_blocks_free,
     hf_greedy,
     make_tiny_model,
@@ -21,7 +22,7 @@ from parity import (
     prefill_logits,
 )
 
-from liteinfer import LLM
+from liteinfer import LLM, SamplingParams
 from liteinfer.layers import FULL, SLIDING
 from liteinfer.layers.linear import unpack_weight
 
@@ -115,3 +116,17 @@ def test_family_greedy_chunked_prefill_matches_transformers(family, reference):
     outs = chunked.generate(variant.prompts, GREEDY)
     for prompt, out in zip(variant.prompts, outs, strict=True):
         assert out.outputs[0].token_ids == reference[prompt][1], prompt
+
+
+def test_long_rope_served_within_its_original_context_takes_the_short_factors(tmp_path, smollm2_tokenizer):
+    """The context served decides, not the config's limit: Phi-3 with max_model_len within its original context
+    (32 of 512) never sees a position past it, and rotates with the short factors, as transformers does for such
+    sequences (a config limit of 128k made Phi-3-mini-128k take the long ones even at max_model_len=4096)."""
+    variant = FAMILY_VARIANTS["phi3-long"]
+    hf_model = make_tiny_model(tmp_path, smollm2_tokenizer, variant)
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=32, max_model_len=32)
+    for prompt in PROMPTS[:3]:
+        prompt_ids = llm.tokenizer.encode(prompt)
+        num_new = 32 - len(prompt_ids)
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True))[0]
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt_ids, num_new), prompt

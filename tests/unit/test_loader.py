@@ -151,7 +151,10 @@ def tiny_checkpoint() -> dict[str, torch.Tensor]:
         prefix + "self_attn.o_proj.weight": torch.randn(HIDDEN, 16),
         prefix + "mlp.gate_proj.weight": torch.randn(12, HIDDEN),
         prefix + "mlp.up_proj.weight": torch.randn(12, HIDDEN),
-        prefix + "self_attn.rotary_emb.inv_freq": torch.randn(2),  # derived state: ignored
+        # Derived state some checkpoints carry (ColossalAI's the cached tables too): ignored, as vLLM does.
+        prefix + "self_attn.rotary_emb.inv_freq": torch.randn(2),
+        prefix + "self_attn.rotary_emb.cos_cached": torch.randn(4, 2),
+        prefix + "self_attn.rotary_emb.sin_cached": torch.randn(4, 2),
     }
 
 

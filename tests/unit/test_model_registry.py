@@ -73,16 +73,18 @@ def test_load_weights_takes_a_fused_checkpoint_tensor_whole():
 
 def longrope(max_position: int) -> RotaryEmbedding:
     scaling = {"rope_type": "longrope", "short_factor": [1.0, 2.0], "long_factor": [3.0, 5.0],
-               "original_max_position_embeddings": 16}
+               "original_max_position_embeddings": 16, "factor": 4.0}
     return RotaryEmbedding(4, max_position, 10000.0, scaling)
 
 
 def test_longrope_picks_short_factors_within_the_original_context_and_long_ones_past_it():
-    """A position's angle is position / (factor * theta^(2i/d)); cos and sin are scaled by the attention factor."""
+    """A position's angle is position / (factor * theta^(2i/d)); cos and sin are scaled by the attention factor,
+    which the model's extension sets (4x here), whatever context is served: 16 positions (the original context)
+    take the short factors, 64 the long ones."""
     short, long = longrope(16), longrope(64)
     cos_short, _ = short(torch.tensor([5]), torch.float32)
     cos_long, _ = long(torch.tensor([5]), torch.float32)
     inv = torch.tensor([1.0, 10000.0**-0.5])
-    torch.testing.assert_close(cos_short[0, 0, :2], torch.cos(5 * inv / torch.tensor([1.0, 2.0])))
     scale = math.sqrt(1 + math.log(64 / 16) / math.log(16))
+    torch.testing.assert_close(cos_short[0, 0, :2], torch.cos(5 * inv / torch.tensor([1.0, 2.0])) * scale)
     torch.testing.assert_close(cos_long[0, 0, :2], torch.cos(5 * inv / torch.tensor([3.0, 5.0])) * scale)
