@@ -124,8 +124,8 @@ class Scheduler:
             if looked_up:
                 self.prefix_queried_tokens += seq.num_tokens
                 self.prefix_hit_tokens += seq.num_computed_tokens
-                if seq.num_output_tokens == 0:  # a recompute after preemption is not the prompt's cache hit
-                    seq.num_cached_tokens = seq.num_computed_tokens
+            if seq.num_cached_tokens is None:  # first admitted: a recompute after a preemption is no cache hit
+                seq.num_cached_tokens = seq.num_computed_tokens if looked_up else 0
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, num_new)

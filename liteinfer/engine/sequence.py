@@ -44,7 +44,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash of each full block, in order
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first admission
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     # The prompt's logprobs as far as computed (None for the first token), for a request that asks for them (its
@@ -133,6 +133,6 @@ class Request:
             outputs=[seq.to_output(delta) for seq in self.seqs],
             finished=self.is_finished,
             metrics=self.metrics,
-            num_cached_tokens=self.seqs[0].num_cached_tokens,
+            num_cached_tokens=self.seqs[0].num_cached_tokens or 0,  # (None: not admitted yet)
             error=self.error,
         )

@@ -60,6 +60,23 @@ def test_prefix_caching_off_reports_no_cached_tokens(tiny_llama):
     assert llm.engine.scheduler.prefix_hit_rate == 0.0
 
 
+def test_a_prompt_preempted_before_its_first_token_counts_no_hit_of_its_own_blocks(tiny_llama_dir):
+    """num_cached_tokens is what the prefix cache held at a request's first admission (vLLM's): the blocks a prompt
+    computed itself before a preemption, found again when it comes back, are not hits."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=96, block_size=16, max_num_batched_tokens=8,
+              num_kv_blocks=7)
+    engine = llm.engine
+    # The first request's growth preempts the second in the middle of its prompt, which shares no token with it.
+    engine.add_request("grows", {"prompt_token_ids": list(range(100, 140))}, replace(GREEDY, max_tokens=55))
+    engine.add_request("preempted", {"prompt_token_ids": list(range(1000, 1080))}, replace(GREEDY, max_tokens=2))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((out.request_id, out) for out in engine.step() if out.finished)
+    preempted = finished["preempted"]
+    assert preempted.metrics.num_preemptions > 0 and preempted.outputs[0].token_ids
+    assert preempted.num_cached_tokens == 0
+
+
 def test_prefix_caching_fully_cached_prompt_computes_its_last_token(tiny_llama, plain):
     directory, _ = tiny_llama
     llm = make_llm(directory)
