@@ -46,6 +46,12 @@ def encode_text(tokenizer: Any, text: str, **options: Any) -> list[int]:
     return tokenizer.encode(text, **options)
 
 
+def whole_vocabulary_counted(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """`params` with logprobs and prompt_logprobs of -1 (vLLM's "the whole vocabulary") as the vocabulary's size."""
+    whole = {name: vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
+    return replace(params, **whole) if whole else params
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """The engine's load as of its last step."""
@@ -207,6 +213,7 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {vocab}), got {params.stop_token_ids}")
         max_logprobs = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
+        params = whole_vocabulary_counted(params, vocab)
         for name in ("logprobs", "prompt_logprobs"):
             if (asked := getattr(params, name)) is not None and asked > max_logprobs:
                 raise ValueError(f"{name} asks for {asked} top tokens, more than this engine's max_logprobs="
@@ -239,7 +246,7 @@ class LLMEngine:
     ) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = params or self.default_sampling_params()
+        params = whole_vocabulary_counted(params or self.default_sampling_params(), self.hf_config.vocab_size)
         text, token_ids = self.validate_request(prompt, params)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)

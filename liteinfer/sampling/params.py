@@ -55,8 +55,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: int | None = None  # top logprobs per position besides the sampled token; 0 = sampled only
-    # Top logprobs at each prompt position besides the prompt's own next token (0: that token only); the first
+    logprobs: int | None = None  # top logprobs per position besides the sampled token; 0 = sampled only; -1 = all
+    # Top logprobs at each prompt position besides the prompt's own next token (0: that token only; -1: all); the first
     # prompt token has none. Every prompt position is computed: the prefix cache is not looked up for the request.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
@@ -126,7 +126,8 @@ class SamplingParams:
             _require(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _require(value is None or value >= 0, f"{name} must be None or >= 0, got {value}")
+            _require(value is None or value >= -1, f"{name} must be None, >= 0, or -1 (the whole vocabulary), got "
+                                                   f"{value}")
         _require(all(self.stop), f"stop strings must be non-empty, got {self.stop!r}")
         _require(isinstance(self.output_kind, RequestOutputKind),
                  f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")

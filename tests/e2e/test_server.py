@@ -524,7 +524,7 @@ BAD_REQUESTS = {
     "prompt_logprobs streamed, chat": ("POST", "/v1/chat/completions",
                                        {"messages": QUESTION, "prompt_logprobs": 1, "stream": True}, 400,
                                        "prompt_logprobs"),
-    "negative prompt_logprobs": ("POST", "/v1/completions", {"prompt": "hi", "prompt_logprobs": -1}, 400,
+    "negative prompt_logprobs": ("POST", "/v1/completions", {"prompt": "hi", "prompt_logprobs": -2}, 400,
                                  "prompt_logprobs"),
     "prompt_logprobs past max_logprobs": ("POST", "/v1/chat/completions", {"messages": QUESTION,
                                                                            "prompt_logprobs": 21}, 400,

@@ -411,10 +411,16 @@ def test_logprobs_beyond_max_logprobs_are_refused(llm, tiny_llama_dir):
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=2, logprobs=20))[0].outputs[0]
     assert [len(position) for position in out.logprobs] == [20, 20]  # the greedy token is among the top 20
+    # -1 asks for the whole vocabulary (vLLM's), which max_logprobs must allow.
+    with pytest.raises(ValueError, match=r"prompt_logprobs asks for 49152 top tokens, .* max_logprobs=20"):
+        llm.generate("Hello", SamplingParams(max_tokens=1, prompt_logprobs=-1))
     with LLM(str(tiny_llama_dir), dtype="float32", max_logprobs=-1) as whole_vocabulary:
-        out = whole_vocabulary.generate("Hello", SamplingParams(temperature=0, max_tokens=1, logprobs=49152))
-    ranks = sorted(logprob.rank for logprob in out[0].outputs[0].logprobs[0].values())
-    assert len(ranks) == 49152 and ranks[0] == 1 and ranks[-1] <= 49152
+        for logprobs in (49152, -1):
+            out = whole_vocabulary.generate("Hi", SamplingParams(temperature=0, max_tokens=1, logprobs=logprobs,
+                                                                 prompt_logprobs=-1 if logprobs == -1 else None))
+            for position in [out[0].outputs[0].logprobs[0], *(out[0].prompt_logprobs or [None])[1:]]:
+                ranks = sorted(logprob.rank for logprob in position.values())
+                assert len(ranks) == 49152 and ranks[0] == 1 and ranks[-1] <= 49152
 
 
 def test_llm_generate_params_count_mismatch_raises_valueerror(llm):

@@ -29,7 +29,8 @@ def test_sampling_params_defaults_match_vllm():
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -2.5}, "frequency_penalty"),
-        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": -2}, "logprobs"),  # -1: the whole vocabulary, as vLLM
+        ({"prompt_logprobs": -2}, "prompt_logprobs"),
         ({"stop": ["ok", ""]}, "stop"),
         ({"n": "2"}, "n"),
         ({"n": 2.0}, "n"),
