@@ -9,8 +9,9 @@ for sampled requests its temperature, top-k, top-p and random draw in that order
 vLLM; llama.cpp's own default chain truncates before the temperature), behind a -inf logit bias on every
 end-of-generation token, so that exactly the forced number of tokens comes out.
 
-llama.cpp reads GGUF only. Precision `q4_1` (or whatever type the GGUF has) runs the file as it is; `fp32`, `bf16`
-and `fp16` run a copy of the file re-encoded in that type (see `reencode_gguf`), written once into the cache.
+llama.cpp reads GGUF only. Precision `q4_1` (or whatever type the GGUF has) runs the file as it is, its K/V cache in
+llama.cpp's default f16; `fp32`, `bf16` and `fp16` run a copy of the file re-encoded in that type (see
+`reencode_gguf`), written once into the cache, and keep their K/V cache in that type too, as liteinfer's rows do.
 
 Option `extra_bufts=false` (`llamacpp:q4_1:extra_bufts=false`) loads the weights without llama.cpp's "extra" buffer
 types, the CPU backend's repacked layouts (AMX tiles, interleaved rows) for quantized types; default: llama.cpp's
@@ -97,8 +98,8 @@ def reencode_gguf(source: Path, precision: str, cache_dir: Path) -> Path:
 
 
 class LlamaCppRunner(EngineRunner):
-    timing = ("one timestamp per llama_decode call for every sequence that got a token from it (a prompt's first "
-              "token when the prefill batch holding its end returns)")
+    timing = ("one timestamp per llama_decode call for every sequence that got a token from it, once the call's "
+              "tokens are drawn (a prompt's first token after the prefill batch holding its end)")
 
     def start(self) -> None:
         unknown = set(self.spec.options) - {"batch", "extra_bufts"}
@@ -139,12 +140,15 @@ class LlamaCppRunner(EngineRunner):
         params.n_ctx = self.width * -(-self.max_seq_len // 256) * 256
         params.n_batch = N_BATCH
         params.n_threads = params.n_threads_batch = self.threads
+        if self.spec.precision in _REENCODED_TYPES:  # K/V in the row's precision too, as liteinfer's rows keep them
+            params.type_k = params.type_v = _REENCODED_TYPES[self.spec.precision][0].value
         self.ctx = C.llama_init_from_model(self.llama_model, params)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")
         self.batch = C.llama_batch_init(max(N_BATCH, self.width), 0, 1)
         self.details = {"llama_cpp_python": llama_cpp.__version__, "gguf": str(path), "source_type": file_type.name,
                         "n_ctx": C.llama_n_ctx(self.ctx), "batch": self.width, "threads": self.threads,
+                        "kv_cache_type": gguf.GGMLQuantizationType(params.type_k).name,
                         "extra_bufts": extra_bufts,
                         "end_tokens_masked": end_tokens, "system": C.llama_print_system_info().decode().strip()}
 
@@ -199,9 +203,13 @@ class LlamaCppRunner(EngineRunner):
 
         samplers = [self.sampler(r.sampling) for r in requests]
 
-        def sample(seq: int, index: int, now: float) -> None:
-            traces[seq].token_ids.append(C.llama_sampler_sample(samplers[seq], self.ctx, index))
-            traces[seq].token_times.append(now)
+        def sample(drawn: list[tuple[int, int]]) -> None:
+            """Each (sequence, logits row) of a call's rows draws its token; all are stamped once they are drawn."""
+            for seq, index in drawn:
+                traces[seq].token_ids.append(C.llama_sampler_sample(samplers[seq], self.ctx, index))
+            now = time.perf_counter()
+            for seq, _ in drawn:
+                traces[seq].token_times.append(now)
 
         # Prefill: every prompt token, N_BATCH at a time; logits only at each prompt's last token, sampled right
         # after the call that computed it (the next call overwrites the logits).
@@ -210,15 +218,10 @@ class LlamaCppRunner(EngineRunner):
         for start in range(0, len(prompt_entries), N_BATCH):
             chunk = prompt_entries[start:start + N_BATCH]
             self._decode(chunk)
-            now = time.perf_counter()
-            for index, (_, _, seq, last) in enumerate(chunk):
-                if last:
-                    sample(seq, index, now)
+            sample([(seq, index) for index, (_, _, seq, last) in enumerate(chunk) if last])
         # Decode: one token for every sequence that still needs some.
         while active := [seq for seq, r in enumerate(requests) if len(traces[seq].token_ids) < r.output_len]:
             self._decode([(traces[seq].token_ids[-1], len(requests[seq].prompt_token_ids) +
                            len(traces[seq].token_ids) - 1, seq, True) for seq in active])
-            now = time.perf_counter()
-            for index, seq in enumerate(active):
-                sample(seq, index, now)
+            sample([(seq, index) for index, seq in enumerate(active)])
         return traces

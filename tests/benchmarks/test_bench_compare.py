@@ -4,6 +4,7 @@ import json
 import pickle
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -80,7 +81,8 @@ def test_an_engines_error_reaches_the_harness_as_text_it_can_unpickle(monkeypatc
 
 @pytest.mark.slow
 def test_llamacpp_fp32_computes_the_same_tokens_as_liteinfer(tmp_path):
-    """The re-encoded fp32 GGUF and the batched low-level decode loop give liteinfer's greedy tokens (real model)."""
+    """The re-encoded fp32 GGUF and the batched low-level decode loop give liteinfer's greedy tokens (real model),
+    with its K/V cache in fp32 too (llama.cpp's default is f16)."""
     pytest.importorskip("llama_cpp", reason="llama.cpp is optional: pip install -e '.[bench]'")
     command = [sys.executable, "-m", "benchmarks.compare", "--engines", "liteinfer:fp32,llamacpp:fp32",
                "--workloads", "throughput", "--num-prompts", "3", "--output-len", "8", "--compare", "liteinfer-fp32",
@@ -90,6 +92,7 @@ def test_llamacpp_fp32_computes_the_same_tokens_as_liteinfer(tmp_path):
     [json_path] = tmp_path.glob("compare-*.json")
     rows = {row["engine"]: row for row in json.loads(json_path.read_text())["rows"]}
     assert rows["llamacpp-fp32"]["same_outputs_as_baseline"] == 3
+    assert rows["llamacpp-fp32"]["details"]["kv_cache_type"] == "F32"
 
 
 @pytest.mark.slow
@@ -138,16 +141,21 @@ def test_runners_sample_when_the_requests_ask(spec, tiny_llama_dir):
 
 
 @pytest.mark.slow
-def test_llamacpp_samples_when_the_requests_ask():
+def test_llamacpp_samples_when_the_requests_ask(monkeypatch):
     """llama.cpp's chain for sampled requests (temperature, top-k, top-p, a draw) in the real model: at temperature
     1.5 its 16 drawn tokens leave the greedy ones, each request gets its forced count, and greedy stays greedy."""
     pytest.importorskip("llama_cpp", reason="llama.cpp is optional: pip install -e '.[bench]'")
+    from benchmarks.runners import llamacpp
     from benchmarks.runners.base import runner_class
     from benchmarks.workloads import BenchRequest, Sampling
 
     spec = EngineSpec.parse("llamacpp:fp32")
     runner = runner_class("llamacpp")(spec, "SmolLM2-135M-Instruct", 2, 2, 64)
     runner.start()
+    sampled_at = []  # when each token was drawn: its timestamp may not come before that
+    draw = llamacpp.C.llama_sampler_sample
+    monkeypatch.setattr(llamacpp.C, "llama_sampler_sample", lambda *args: (draw(*args),
+                                                                           sampled_at.append(time.perf_counter()))[0])
     try:
         greedy = [BenchRequest([1266, 314, 253], 8), BenchRequest([504, 3575, 282, 4194], 8)]
         sampled = [replace(r, sampling=Sampling(temperature=1.5, top_p=0.99, top_k=200)) for r in greedy]
@@ -157,3 +165,5 @@ def test_llamacpp_samples_when_the_requests_ask():
     tokens = [[trace.token_ids for trace in traces] for traces in (first, drawn, again)]
     assert tokens[0] == tokens[2] and tokens[1] != tokens[0]
     assert [len(t) for t in tokens[1]] == [8, 8]
+    stamped = sorted(time for traces in (first, drawn, again) for trace in traces for time in trace.token_times)
+    assert len(stamped) == len(sampled_at) and all(stamp >= at for stamp, at in zip(stamped, sorted(sampled_at)))
