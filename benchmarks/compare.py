@@ -250,10 +250,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     prompt_min, _, prompt_max = args.prompt_len.partition("-")
     try:
         sampling = Sampling(args.temperature, args.top_p, args.top_k)
+        args.params = WorkloadParams(args.num_prompts, int(prompt_min), int(prompt_max or prompt_min),
+                                     args.output_len, args.prefix_len, args.latency_prompts, args.seed, sampling)
+        if "latency" in args.workload_names:  # (refused before any engine runs)
+            make_workload("latency", args.params, range(1, 2))
     except ValueError as exc:
         parser.error(str(exc))
-    args.params = WorkloadParams(args.num_prompts, int(prompt_min), int(prompt_max or prompt_min), args.output_len,
-                                 args.prefix_len, args.latency_prompts, args.seed, sampling)
     return args
 
 

@@ -113,6 +113,12 @@ class WorkloadParams:
     seed: int = 0
     sampling: Sampling = GREEDY  # every request's
 
+    def __post_init__(self) -> None:
+        """Refused here, before any engine runs (an output length of 0 had failed the summary after a whole run)."""
+        for field, least in (("num_prompts", 1), ("output_len", 1), ("prefix_len", 0), ("latency_prompts", 1)):
+            if getattr(self, field) < least:
+                raise ValueError(f"{field} must be at least {least}, got {getattr(self, field)}")
+
 
 def make_workload(name: str, params: WorkloadParams, token_ids: list[int]) -> Workload:
     """Build workload `name` from prompt tokens drawn out of `token_ids` (the vocabulary minus special tokens)."""
@@ -121,6 +127,9 @@ def make_workload(name: str, params: WorkloadParams, token_ids: list[int]) -> Wo
     p = params
     if not 1 <= p.prompt_min <= p.prompt_max:
         raise ValueError(f"need 1 <= prompt_min <= prompt_max, got {p.prompt_min}, {p.prompt_max}")
+    if name == "latency" and p.latency_prompts > p.num_prompts:
+        raise ValueError(f"latency_prompts ({p.latency_prompts}) are the first of num_prompts ({p.num_prompts}): "
+                         "at most as many")
     # One generator per workload, seeded by its name too, so that adding a workload never changes another;
     # latency shares throughput's so that its prompts are the first ones of throughput's.
     stream = WORKLOAD_NAMES.index("throughput" if name == "latency" else name)

@@ -81,6 +81,10 @@ def test_unknown_workload_and_bad_lengths_are_refused():
         make_workload("bursty", PARAMS, TOKENS)
     with pytest.raises(ValueError, match="prompt_min"):
         make_workload("throughput", replace(PARAMS, prompt_min=10, prompt_max=9), TOKENS)
+    for bad, match in [(dict(output_len=0), "output_len"), (dict(num_prompts=0), "num_prompts"),
+                       (dict(latency_prompts=9), "latency_prompts"), (dict(latency_prompts=0), "latency_prompts")]:
+        with pytest.raises(ValueError, match=match):
+            make_workload("latency", replace(PARAMS, **bad), TOKENS)
 
 
 def test_greedy_workloads_keep_the_hashes_they_had_before_sampling():
