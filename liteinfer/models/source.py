@@ -87,6 +87,10 @@ def load_config(source: ModelSource) -> PretrainedConfig:
                 "is not a causal LM known to transformers"
             )
         config.architectures = [arch]
+    if quantized := getattr(config, "quantization_config", None):
+        method = quantized.get("quant_method", "unknown") if isinstance(quantized, dict) else type(quantized).__name__
+        raise ValueError(f"{source.name}: its weights are pre-quantized ({method}), which liteinfer does not load; "
+                         "run the float checkpoint (quantization='int8' or 'int4' quantizes it as it loads)")
     return config
 
 

@@ -190,6 +190,18 @@ def test_load_config_keeps_given_architectures(tmp_path):
     assert load_config(ModelSource("m", tmp_path)).architectures == ["MyLlamaForCausalLM"]
 
 
+def test_load_config_of_a_pre_quantized_checkpoint_says_so(tmp_path):
+    """An fp8, AWQ or GPTQ checkpoint's weights are not float tensors of our layers' shapes: said up front, not by the
+    first scale tensor the loader cannot place."""
+    write_model_dir(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    with pytest.raises(ValueError, match=r"tiny: its weights are pre-quantized \(fp8\)"):
+        load_config(ModelSource("tiny", tmp_path))
+
+
 @pytest.mark.parametrize("content", ["", "garbage", '{"model": {"type": "Nope"}}'])
 def test_load_damaged_tokenizer_raises_naming_model(tmp_path, content):
     write_model_dir(tmp_path)
