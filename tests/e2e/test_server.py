@@ -342,6 +342,27 @@ def test_fields_a_request_leaves_out_take_the_models_recommended_sampling(tiny_l
     assert [(params.temperature, params.max_tokens) for params in submitted] == [(0.25, 3), (0, 5), (0.25, 3)]
 
 
+def test_a_models_default_max_tokens_past_the_context_ends_at_the_context(tiny_llama_dir, tmp_path):
+    """As vLLM's server: only a request's own max_tokens must fit the context; the model's recommended one (here far
+    past the tiny model's 512 positions) ends the output where the context does, as an unset one does."""
+    directory = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, directory)
+    generation_config = json.loads((directory / "generation_config.json").read_text())
+    generation_config.update(max_new_tokens=100_000)
+    (directory / "generation_config.json").write_text(json.dumps(generation_config))
+    llm = AsyncLLM(str(directory), dtype="float32", max_model_len=64)
+    with running_server(build_app(llm, MODEL)) as port:
+        prompt = {"model": MODEL, "prompt": [5] * 40, "temperature": 0, "ignore_eos": True}
+        status, body = request(port, "POST", "/v1/completions", {**prompt, "max_tokens": None}, api_key=None)
+        assert status == 200 and body["usage"]["completion_tokens"] == 64 - 40
+        status, body = request(port, "POST", "/v1/chat/completions",
+                               {"model": MODEL, "messages": QUESTION, "temperature": 0, "ignore_eos": True},
+                               api_key=None)
+        assert status == 200 and body["usage"]["total_tokens"] == 64
+        status, body = request(port, "POST", "/v1/completions", {**prompt, "max_tokens": 30}, api_key=None)
+        assert status == 400 and body["error"]["param"] == "max_tokens"
+
+
 def test_chat_logprobs_list_the_top_alternatives(client):
     result = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0,
                                             logprobs=True, top_logprobs=3)

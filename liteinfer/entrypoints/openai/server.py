@@ -195,7 +195,7 @@ class OpenAIServer:
         if echoes is not None:  # tokenized already: the engine takes the ids
             prompts = [{"prompt": prompt if isinstance(prompt, str) else None, "prompt_token_ids": echo.token_ids}
                        for prompt, echo in zip(prompts, echoes, strict=True)]
-        batch = await self._submit("cmpl", body, prompts, params)
+        batch = await self._submit("cmpl", body, prompts, params, max_tokens_given=body.max_tokens is not None)
 
         def choice(index: int, request_id: str, text: str, token_ids: list[int],
                    positions: list[PositionLogprobs] | None, offset: int, finish_reason: str | None,
@@ -267,7 +267,7 @@ class OpenAIServer:
             prompt = {"prompt_token_ids": await self.llm.apply_chat_template(
                 body.conversation(), body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
             )}
-        batch = await self._submit("chatcmpl", body, [prompt], params)
+        batch = await self._submit("chatcmpl", body, [prompt], params, max_tokens_given=max_tokens is not None)
 
         def logprobs(token_ids: list[int], positions: list[PositionLogprobs] | None) -> ChatLogprobs | None:
             return None if num_top is None else _chat_logprobs(token_ids, positions, num_top)
@@ -310,13 +310,15 @@ class OpenAIServer:
             raise APIError(400, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
 
-    async def _submit(self, prefix: str, body: OpenAIRequest, prompts: list[PromptType],
-                      params: SamplingParams) -> _Batch:
+    async def _submit(self, prefix: str, body: OpenAIRequest, prompts: list[PromptType], params: SamplingParams,
+                      max_tokens_given: bool) -> _Batch:
+        """Queue the call's requests. As vLLM's server, a max_tokens the request gives must fit the context with its
+        prompt; the model's recommended one, like none, ends the output where the context does."""
         batch_id = f"{prefix}-{uuid.uuid4().hex}"
         request_ids = [f"{batch_id}-{i}" for i in range(len(prompts))]
         arrival = time.monotonic()
         with _user_errors(body):
-            events = await self.llm.submit(prompts, params, request_ids, max_tokens_must_fit=True)
+            events = await self.llm.submit(prompts, params, request_ids, max_tokens_must_fit=max_tokens_given)
         return _Batch(batch_id, self.model_name, params.n, request_ids, self.metrics.track(events, arrival))
 
     async def _collect(self, batch: _Batch, request: Request) -> list[_Sample] | None:
