@@ -9,9 +9,10 @@ for sampled requests its temperature, top-k, top-p and random draw in that order
 vLLM; llama.cpp's own default chain truncates before the temperature), behind a -inf logit bias on every
 end-of-generation token, so that exactly the forced number of tokens comes out.
 
-llama.cpp reads GGUF only. Precision `q4_1` (or whatever type the GGUF has) runs the file as it is, its K/V cache in
-llama.cpp's default f16; `fp32`, `bf16` and `fp16` run a copy of the file re-encoded in that type (see
-`reencode_gguf`), written once into the cache, and keep their K/V cache in that type too, as liteinfer's rows do.
+llama.cpp reads GGUF only. Precision `q4_1` (or whatever type the GGUF has) runs the file as it is; `fp32`, `bf16`
+and `fp16` run a copy of the file re-encoded in that type (see `reencode_gguf`), written once into the cache. Every
+row keeps llama.cpp's own K/V cache type (f16), its users' default and its fastest: an fp32 one (option
+`kv_cache=f32`, also `f16`, `bf16`) took SmolLM2's fp32 throughput from ~255 to ~175 tok/s (docs/benchmarks.md).
 
 Option `extra_bufts=false` (`llamacpp:q4_1:extra_bufts=false`) loads the weights without llama.cpp's "extra" buffer
 types, the CPU backend's repacked layouts (AMX tiles, interleaved rows) for quantized types; default: llama.cpp's
@@ -39,6 +40,8 @@ from benchmarks.runners.base import EngineRunner
 from benchmarks.workloads import BenchRequest, Sampling
 
 N_BATCH = 2048  # prompt tokens per llama_decode call
+_KV_CACHE_TYPES = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+                   "bf16": gguf.GGMLQuantizationType.BF16}
 _REENCODED_TYPES = {
     "fp32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
     "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
@@ -102,9 +105,13 @@ class LlamaCppRunner(EngineRunner):
               "tokens are drawn (a prompt's first token after the prefill batch holding its end)")
 
     def start(self) -> None:
-        unknown = set(self.spec.options) - {"batch", "extra_bufts"}
+        unknown = set(self.spec.options) - {"batch", "extra_bufts", "kv_cache"}
         if unknown:
-            raise ValueError(f"llamacpp takes a batch width and extra_bufts=true|false, got {sorted(unknown)}")
+            raise ValueError(f"llamacpp takes a batch width, extra_bufts=true|false and kv_cache=f32|f16|bf16, got "
+                             f"{sorted(unknown)}")
+        kv_cache = self.spec.options.get("kv_cache")
+        if kv_cache is not None and kv_cache not in _KV_CACHE_TYPES:
+            raise ValueError(f"llamacpp's kv_cache is one of {', '.join(_KV_CACHE_TYPES)}, got {kv_cache!r}")
         source = gguf_path(self.model)
         file_type = gguf.LlamaFileType(gguf.GGUFReader(source).fields[gguf.Keys.General.FILE_TYPE].contents())
         if self.spec.precision in _REENCODED_TYPES:
@@ -140,8 +147,8 @@ class LlamaCppRunner(EngineRunner):
         params.n_ctx = self.width * -(-self.max_seq_len // 256) * 256
         params.n_batch = N_BATCH
         params.n_threads = params.n_threads_batch = self.threads
-        if self.spec.precision in _REENCODED_TYPES:  # K/V in the row's precision too, as liteinfer's rows keep them
-            params.type_k = params.type_v = _REENCODED_TYPES[self.spec.precision][0].value
+        if kv_cache is not None:
+            params.type_k = params.type_v = _KV_CACHE_TYPES[kv_cache].value
         self.ctx = C.llama_init_from_model(self.llama_model, params)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")

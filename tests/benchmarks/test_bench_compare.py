@@ -82,26 +82,29 @@ def test_an_engines_error_reaches_the_harness_as_text_it_can_unpickle(monkeypatc
 @pytest.mark.slow
 def test_llamacpp_fp32_computes_the_same_tokens_as_liteinfer(tmp_path):
     """The re-encoded fp32 GGUF and the batched low-level decode loop give liteinfer's greedy tokens (real model),
-    with its K/V cache in fp32 too (llama.cpp's default is f16)."""
+    with llama.cpp's own f16 K/V cache or, asked for (`kv_cache=f32`), an fp32 one."""
     pytest.importorskip("llama_cpp", reason="llama.cpp is optional: pip install -e '.[bench]'")
-    command = [sys.executable, "-m", "benchmarks.compare", "--engines", "liteinfer:fp32,llamacpp:fp32",
+    command = [sys.executable, "-m", "benchmarks.compare", "--engines",
+               "liteinfer:fp32,llamacpp:fp32,llamacpp:fp32:kv_cache=f32",
                "--workloads", "throughput", "--num-prompts", "3", "--output-len", "8", "--compare", "liteinfer-fp32",
                "--warmup-rounds", "0", "--output-dir", str(tmp_path)]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     [json_path] = tmp_path.glob("compare-*.json")
     rows = {row["engine"]: row for row in json.loads(json_path.read_text())["rows"]}
-    assert rows["llamacpp-fp32"]["same_outputs_as_baseline"] == 3
-    assert rows["llamacpp-fp32"]["details"]["kv_cache_type"] == "F32"
+    for engine, kv_cache_type in (("llamacpp-fp32", "F16"), ("llamacpp-fp32-kv_cache=f32", "F32")):
+        assert rows[engine]["same_outputs_as_baseline"] == 3
+        assert rows[engine]["details"]["kv_cache_type"] == kv_cache_type
 
 
 @pytest.mark.slow
 def test_llamacpp_runs_its_native_q4_1_file_without_extra_buffers(tmp_path):
     """`extra_bufts=false` reaches llama.cpp's loader: the Q4_1 file runs without its repacked buffers (whose AMX
-    repack dies on an AMX CPU) and gives every forced token; a value that is not a bool fails the row."""
+    repack dies on an AMX CPU) and gives every forced token; a value that is not a bool fails the row, as does a K/V
+    cache type llama.cpp is not offered."""
     pytest.importorskip("llama_cpp", reason="llama.cpp is optional: pip install -e '.[bench]'")
     command = [sys.executable, "-m", "benchmarks.compare",
-               "--engines", "llamacpp:q4_1:extra_bufts=false,llamacpp:q4_1:extra_bufts=no",
+               "--engines", "llamacpp:q4_1:extra_bufts=false,llamacpp:q4_1:extra_bufts=no,llamacpp:q4_1:kv_cache=q8",
                "--workloads", "throughput", "--num-prompts", "2", "--output-len", "4",
                "--warmup-rounds", "0", "--output-dir", str(tmp_path)]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
@@ -114,6 +117,8 @@ def test_llamacpp_runs_its_native_q4_1_file_without_extra_buffers(tmp_path):
     assert [len(r["token_ids"]) for r in ran["requests"]] == [4, 4]
     refused = rows["llamacpp-q4_1-extra_bufts=no"]
     assert refused["status"] == "failed" and "extra_bufts is true or false" in refused["error"]
+    refused = rows["llamacpp-q4_1-kv_cache=q8"]
+    assert refused["status"] == "failed" and "kv_cache is one of f32, f16, bf16" in refused["error"]
 
 
 @pytest.mark.parametrize("spec", ["liteinfer:fp32", "transformers:fp32:2"])
