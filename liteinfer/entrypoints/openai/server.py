@@ -196,6 +196,7 @@ class OpenAIServer:
             prompts = [{"prompt": prompt if isinstance(prompt, str) else None, "prompt_token_ids": echo.token_ids}
                        for prompt, echo in zip(prompts, echoes, strict=True)]
         batch = await self._submit("cmpl", body, prompts, params, max_tokens_given=body.max_tokens is not None)
+        echo_of = None if echoes is None else dict(zip(batch.request_ids, echoes, strict=True))  # by request id
 
         def choice(index: int, request_id: str, text: str, token_ids: list[int],
                    positions: list[PositionLogprobs] | None, offset: int, finish_reason: str | None,
@@ -203,8 +204,8 @@ class OpenAIServer:
             first_token = None
             if prompt_only:
                 text, token_ids, positions = "", [], None if positions is None else []
-            if echo and echoes is not None:  # the prompt first: its text, its tokens' logprobs before the choice's
-                prompt = echoes[batch.request_ids.index(request_id)]
+            if echo and echo_of is not None:  # the prompt first: its text, its tokens' logprobs before the choice's
+                prompt = echo_of[request_id]
                 text, token_ids, first_token = prompt.text + text, prompt.token_ids + token_ids, prompt.first_token
                 if num_top is not None:
                     positions = batch.prompt_logprobs[request_id] + positions
@@ -219,7 +220,7 @@ class OpenAIServer:
             if body.prompt_logprobs is None or body.stream:
                 return None
             # An echo with more logprobs than the field asks for made the engine compute more: its ids trim them.
-            own_ids = None if echoes is None else echoes[batch.request_ids.index(request_id)].token_ids
+            own_ids = None if echo_of is None else echo_of[request_id].token_ids
             return _prompt_logprobs(batch.prompt_logprobs[request_id], body.prompt_logprobs, own_ids)
 
         if body.stream:
@@ -229,8 +230,8 @@ class OpenAIServer:
                 first = index not in started
                 started.add(index)
                 offset = len(event.text) - len(event.delta)
-                if echoes is not None:  # the choice's text starts with the prompt's
-                    offset = 0 if first else offset + len(echoes[batch.request_ids.index(event.request_id)].text)
+                if echo_of is not None:  # the choice's text starts with the prompt's
+                    offset = 0 if first else offset + len(echo_of[event.request_id].text)
                 return batch.completion(choices=[choice(index, event.request_id, event.delta, event.new_token_ids,
                                                         event.logprobs, offset, event.finish_reason,
                                                         event.stop_reason, echo=first)])
