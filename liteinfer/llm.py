@@ -7,6 +7,7 @@ from collections.abc import Sequence as SequenceABC
 from typing import Any
 
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from liteinfer.config import EngineConfig
 from liteinfer.engine.data_parallel import make_engine
@@ -78,6 +79,9 @@ class LLM:
         prompts = [render_chat(self.tokenizer, conversation, add_generation_prompt, continue_final_message,
                                chat_template_kwargs) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` sample with when given no SamplingParams: the model's recommended sampling

@@ -115,7 +115,9 @@ class _Tracked:
 
 
 class DataParallelEngine:
-    validate_request = LLMEngine.validate_request  # the same checks, over tokenizer, hf_config and max_model_len
+    # The same checks, over tokenizer, hf_config, eos_token_ids and max_model_len.
+    validate_request = LLMEngine.validate_request
+    _eos_token_ids = LLMEngine._eos_token_ids
     default_sampling_params = LLMEngine.default_sampling_params
 
     def __init__(self, config: EngineConfig):
@@ -124,6 +126,7 @@ class DataParallelEngine:
         source = resolve_model(config.model)  # converts a GGUF once, here, before the replicas look for it
         self.hf_config = load_config(source)
         self.tokenizer = load_tokenizer(source)
+        self.eos_token_ids = self._eos_token_ids(source)
         self.sampling_defaults = sampling_defaults(source, config.generation_config)
         if not ray.is_initialized():
             ray.init(address=config.ray_address, include_dashboard=False)

@@ -46,6 +46,19 @@ def encode_text(tokenizer: Any, text: str, **options: Any) -> list[int]:
     return tokenizer.encode(text, **options)
 
 
+def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Each word's token ids in the two forms it takes in text: at its start, and after a space (as a word follows
+    another). vLLM keeps the second form only where it has as many tokens as the first; a word whose spaced form
+    merges into fewer tokens would then still be generated after a space, so both are kept here whenever they differ."""
+    forms: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = encode_text(tokenizer, text, add_special_tokens=False)
+            if ids not in forms:
+                forms.append(ids)
+    return forms
+
+
 def whole_vocabulary_counted(params: SamplingParams, vocab_size: int) -> SamplingParams:
     """`params` with logprobs and prompt_logprobs of -1 (vLLM's "the whole vocabulary") as the vocabulary's size."""
     whole = {name: vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
@@ -210,8 +223,13 @@ class LLMEngine:
     def validate_request(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt, checked with its params; raises ValueError before anything is queued."""
         vocab = self.hf_config.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must lie in [0, {vocab}), got {params.stop_token_ids}")
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            if any(not 0 <= t < vocab for t in getattr(params, name) or ()):
+                raise ValueError(f"{name} must name token ids in [0, {vocab}), got {getattr(params, name)}")
+        stop_ids = self.eos_token_ids.union(params.stop_token_ids)
+        if params.min_tokens and params.allowed_token_ids and stop_ids.issuperset(params.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids {params.allowed_token_ids} are all end-of-sequence or stop tokens, "
+                             f"which min_tokens={params.min_tokens} forbids: no token would be left to sample")
         max_logprobs = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
         params = whole_vocabulary_counted(params, vocab)
         for name in ("logprobs", "prompt_logprobs"):
@@ -248,6 +266,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = whole_vocabulary_counted(params or self.default_sampling_params(), self.hf_config.vocab_size)
         text, token_ids = self.validate_request(prompt, params)
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seqs = [
@@ -263,6 +282,7 @@ class LLMEngine:
                     params.include_stop_str_in_output, params.min_tokens,
                 ),
                 generator=self._generator(params.seed, index),
+                bad_words_token_ids=bad_words,
                 prompt_logprobs=[None] if params.prompt_logprobs is not None and index == 0 else None,
             )
             for index in range(params.n)

@@ -39,6 +39,7 @@ class Sequence:
     max_tokens: int
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words tokenized (the sampler's)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

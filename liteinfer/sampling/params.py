@@ -60,6 +60,13 @@ class SamplingParams:
     # prompt token has none. Every prompt position is computed: the prefix cache is not looked up for the request.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Edits of the logits before sampling (vLLM's names and order, after the raw logprobs are taken): only these
+    # tokens may be sampled; the last token of a bad word is banned once the output ends with the rest of it (each word
+    # tokenized as it would begin text and, with a space before it, as it would follow a word); a bias added to each
+    # listed token's logit (OpenAI's logit_bias; keys are token ids).
+    allowed_token_ids: list[int] | None = None
+    bad_words: str | list[str] | None = None  # always a list[str] after construction
+    logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -80,8 +87,7 @@ class SamplingParams:
             setattr(self, name, int(value))
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
-            is_number = isinstance(value, Real) and not isinstance(value, bool)
-            _require(is_number and math.isfinite(value), f"{name} must be a finite number, got {value!r}")
+            _require(_is_finite(value), f"{name} must be a finite number, got {value!r}")
             setattr(self, name, float(value))
         for name in _BOOL_FIELDS:
             value = getattr(self, name)
@@ -103,6 +109,27 @@ class SamplingParams:
             f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}",
         )
         self.stop_token_ids = [int(t) for t in ids]
+
+        allowed = self.allowed_token_ids
+        _require(
+            allowed is None or (isinstance(allowed, (list, tuple)) and all(_is_int(t) for t in allowed)),
+            f"allowed_token_ids must be None or a list of int, got {allowed!r}",
+        )
+        if allowed is not None:
+            self.allowed_token_ids = [int(t) for t in allowed]
+        words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words or []
+        _require(
+            isinstance(words, (list, tuple)) and all(isinstance(w, str) for w in words),
+            f"bad_words must be a str or a list of str, got {self.bad_words!r}",
+        )
+        self.bad_words = list(words)
+        bias = self.logit_bias
+        _require(
+            bias is None or (isinstance(bias, dict) and all(_is_int(t) and _is_finite(v) for t, v in bias.items())),
+            f"logit_bias must be None or a dict of token id (int) to a finite number, got {bias!r}",
+        )
+        if bias is not None:
+            self.logit_bias = {int(t): float(v) for t, v in bias.items()}
 
     def _check_ranges(self) -> None:
         _require(self.n >= 1, f"n must be >= 1, got {self.n}")
@@ -129,8 +156,14 @@ class SamplingParams:
             _require(value is None or value >= -1, f"{name} must be None, >= 0, or -1 (the whole vocabulary), got "
                                                    f"{value}")
         _require(all(self.stop), f"stop strings must be non-empty, got {self.stop!r}")
+        _require(self.allowed_token_ids != [], "allowed_token_ids must not be empty (None allows every token)")
+        _require(all(w.strip() for w in self.bad_words), f"bad_words must be words, not blank, got {self.bad_words!r}")
         _require(isinstance(self.output_kind, RequestOutputKind),
                  f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+
+
+def _is_finite(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_int(value: object) -> bool:

@@ -1,6 +1,7 @@
 """Turns one step's logits into next tokens and logprobs, with one tensor pipeline over the whole batch.
 
-Stages run in vLLM's order: raw logprobs -> min_tokens -> penalties -> greedy argmax, or
+Stages run in vLLM's order: raw logprobs -> allowed tokens -> bad words, min_tokens -> logit bias -> penalties ->
+greedy argmax, or
 temperature -> min_p -> top_k/top_p -> sampling. A stage that no row uses is skipped, and a stage
 that only some rows use runs on those rows alone.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,6 +33,8 @@ class SamplingRow:
     # Set for seeded requests (the engine makes it from params.seed, on the logits' device), so that their
     # tokens do not depend on the rest of the batch; None = the global RNG.
     generator: torch.Generator | None = None
+    # params.bad_words as token ids, each word in each of its forms (the engine tokenizes them once per request).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -77,8 +80,8 @@ class Sampler:
 
         # Greedy rows without penalties take the argmax of the raw logits, with no copy. Rows that a stage edits in
         # place (min_tokens, penalties) get a float copy of their own; sampling's stages are the draw's, uncopied.
-        edited = [i for i, p in enumerate(params) if not _plain_greedy(p)]
-        plain = [i for i, p in enumerate(params) if _plain_greedy(p)]
+        edited = [i for i, row in enumerate(rows) if not _plain_greedy(row)]
+        plain = [i for i, row in enumerate(rows) if _plain_greedy(row)]
         if not edited:
             tokens = argmax_rows(logits)
         else:
@@ -111,7 +114,7 @@ class Sampler:
     def takes_argmax(rows: list[SamplingRow]) -> bool:
         """Whether each row's token is its logits' argmax (greedy, no penalties, no logprobs) but where that is a
         token the row may not sample yet: `from_argmax` then gives what a call on the logits gives."""
-        return all(_plain_greedy(row.params) and row.params.logprobs is None for row in rows)
+        return all(_plain_greedy(row) and row.params.logprobs is None for row in rows)
 
     def from_argmax(self, argmax: list[int], rows: list[SamplingRow],
                     logits_of: Callable[[list[int]], torch.Tensor]) -> SamplerOutput:
@@ -127,15 +130,24 @@ class Sampler:
         return SamplerOutput(token_ids, [None] * len(rows), [None] * len(rows))
 
     def _edited_tokens(self, logits: torch.Tensor, rows: list[SamplingRow], owned: bool) -> torch.Tensor:
-        """Tokens of rows with penalties or sampling. `owned`: `logits` is a copy, which min_tokens and the penalties
-        may edit in place; otherwise it is the caller's, copied before they do."""
-        blocked = [(i, token) for i, row in enumerate(rows) if row.below_min_tokens for token in self._stop_ids(row)]
+        """Tokens of rows whose logits a request edits, or that sample. `owned`: `logits` is a copy, which the edits
+        may change in place; otherwise it is the caller's, copied before they do."""
+        allowed = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+        banned = [(i, token) for i, row in enumerate(rows) for token in self._banned_tokens(row)]
+        biased = [(i, token, bias) for i, row in enumerate(rows) if row.params.logit_bias
+                  for token, bias in row.params.logit_bias.items()]
         penalised = [i for i, row in enumerate(rows) if _uses_penalty(row.params)]
-        if blocked or penalised:
+        if allowed or banned or biased or penalised:
             logits = logits.to(torch.float32, copy=not owned)
-        if blocked:
-            row_idx, token_idx = zip(*blocked, strict=True)
+        if allowed:
+            allowed_ids = [rows[i].params.allowed_token_ids for i in allowed]
+            logits = _update_rows(logits, allowed, lambda x: keep_only(x, allowed_ids))
+        if banned:
+            row_idx, token_idx = zip(*banned, strict=True)
             logits[list(row_idx), list(token_idx)] = -float("inf")
+        if biased:
+            row_idx, token_idx, biases = zip(*biased, strict=True)
+            logits[list(row_idx), list(token_idx)] += torch.tensor(biases, device=logits.device)
         if penalised:
             penalised_rows = [rows[i] for i in penalised]
             logits = _update_rows(logits, penalised, lambda x: apply_penalties(x, penalised_rows))
@@ -148,6 +160,17 @@ class Sampler:
         if sampled:
             tokens[sampled] = _sample(_take_rows(logits, sampled), [rows[i] for i in sampled])
         return tokens
+
+    def _banned_tokens(self, row: SamplingRow) -> list[int]:
+        """The tokens a row may not sample now: below min_tokens its stop ids; the last token of each bad word whose
+        other tokens end the output so far."""
+        banned = self._stop_ids(row) if row.below_min_tokens else []
+        if row.bad_words_token_ids:
+            output = row.output_token_ids
+            for *prefix, last in row.bad_words_token_ids:
+                if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
+                    banned.append(last)
+        return banned
 
     def _stop_ids(self, row: SamplingRow) -> list[int]:
         """What a row below its min_tokens may not sample: EOS and its stop token ids."""
@@ -186,6 +209,14 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     presence = torch.tensor([row.params.presence_penalty for row in rows], device=device)[row_idx]
     logits[row_idx, token_idx] -= frequency * output_counts + presence
     return logits
+
+
+def keep_only(logits: torch.Tensor, token_ids: list[list[int]]) -> torch.Tensor:
+    """Sets every logit of row i to -inf but those of token_ids[i], in place."""
+    dropped = torch.ones_like(logits, dtype=torch.bool)
+    row_idx = [i for i, ids in enumerate(token_ids) for _ in ids]
+    dropped[row_idx, [t for ids in token_ids for t in ids]] = False
+    return logits.masked_fill_(dropped, -float("inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -317,9 +348,11 @@ def gather_logprobs(
     return row_logprobs, tops
 
 
-def _plain_greedy(params: SamplingParams) -> bool:
+def _plain_greedy(row: SamplingRow) -> bool:
     """Whether a row's token is the argmax of its raw logits (unless min_tokens forbids that token)."""
-    return params.is_greedy and not _uses_penalty(params)
+    params = row.params
+    edits = params.allowed_token_ids is not None or params.logit_bias or row.bad_words_token_ids
+    return params.is_greedy and not _uses_penalty(params) and not edits
 
 
 def _uses_penalty(params: SamplingParams) -> bool:

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from liteinfer import LLM, SamplingParams
 from liteinfer.engine.async_llm import AsyncLLM
 from liteinfer.entrypoints.openai import server
+from liteinfer.entrypoints.openai.protocol import ChatCompletionRequest
 from liteinfer.entrypoints.openai.server import build_app
 
 MODEL = "tiny-llama"
@@ -213,6 +214,31 @@ def test_stop_string_ends_the_completion_before_it(client, expected):
     streamed = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0,
                                          stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == text[: len(text) // 2]
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_engine(client, sync_llm):
+    """OpenAI's logit_bias (token ids as strings, biases clamped to [-100, 100] as vLLM does) and vLLM's extras."""
+    reference = sync_llm.generate(PROMPTS[0], GREEDY)[0].outputs[0]
+    forced = next(t for t in reference.token_ids if t != reference.token_ids[0])
+    result = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                       logit_bias={str(forced): 1000})
+    assert result.choices[0].text == sync_llm.tokenizer.decode([forced] * 4)
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0,
+                                          logit_bias={str(forced): 100}, logprobs=True)
+    assert [lp.token for lp in chat.choices[0].logprobs.content] == [sync_llm.tokenizer.decode([forced])] * 4
+    allowed = reference.token_ids[1:3]
+    result = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=0,
+                                       extra_body={"allowed_token_ids": allowed})
+    assert set(result.choices[0].logprobs.tokens) <= {sync_llm.tokenizer.decode([t]) for t in allowed}
+    word = sync_llm.tokenizer.decode(reference.token_ids[:1])
+    result = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                       logprobs=0, extra_body={"bad_words": [word]})
+    assert word not in result.choices[0].logprobs.tokens
+
+
+def test_logit_bias_is_clamped_to_openais_range():
+    body = ChatCompletionRequest(messages=QUESTION, logit_bias={"5": 1000.0, "6": -1e9, " 7": 0.5})
+    assert body.sampling_params({}, 4, None).logit_bias == {5: 100.0, 6: -100.0, 7: 0.5}
 
 
 def test_completion_logprobs_match_the_engine(client, sync_llm):
@@ -553,6 +579,12 @@ BAD_REQUESTS = {
     "stream_options without stream": ("POST", "/v1/completions",
                                       {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
                                       "stream_options"),
+    "logit_bias key not a token id": ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"the": 1}}, 400,
+                                      "logit_bias"),
+    "logit_bias token out of the vocabulary": ("POST", "/v1/chat/completions",
+                                               {"messages": QUESTION, "logit_bias": {"49152": 1}}, 400, "logit_bias"),
+    "empty allowed_token_ids": ("POST", "/v1/completions", {"prompt": "hi", "allowed_token_ids": []}, 400,
+                                "allowed_token_ids"),
     "bad token id": ("POST", "/detokenize", {"tokens": [-1]}, 400, None),
     # A lone surrogate is valid JSON ("\\ud800") but no text: the tokenizer cannot take it.
     "not Unicode": ("POST", "/v1/completions", {"prompt": "hi \ud800"}, 400, None),

@@ -21,6 +21,7 @@ from parity import (
 
 from liteinfer import LLM, RequestOutput, RequestOutputKind, SamplingParams
 from liteinfer.engine import workers
+from liteinfer.engine.llm_engine import bad_words_token_ids
 
 # Prompts of at most 16 tokens, so that with max_model_len=64 each can generate NUM_NEW.
 SHORT_PROMPTS = [
@@ -648,6 +649,55 @@ def test_llm_min_tokens_blocks_stop_token_id(llm, greedy_ref):
     assert out.token_ids[:2] == greedy_ref.token_ids[:2]
     assert len(out.token_ids) > 8
     assert out.finish_reason == "length" or (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+
+
+def test_llm_logit_bias_and_allowed_token_ids_steer_every_token(llm, greedy_ref):
+    forced = next(t for t in greedy_ref.token_ids if t != greedy_ref.token_ids[0])
+    out = greedy(llm, PROMPTS[1], max_tokens=6, logit_bias={forced: 100.0})
+    assert out.token_ids == [forced] * 6
+    allowed = greedy_ref.token_ids[6:9]
+    out = greedy(llm, PROMPTS[1], max_tokens=12, allowed_token_ids=allowed)
+    assert set(out.token_ids) <= set(allowed)
+    sampled = llm.generate(PROMPTS[1], SamplingParams(max_tokens=12, seed=3, allowed_token_ids=allowed))
+    assert set(sampled[0].outputs[0].token_ids) <= set(allowed)
+    # The logprobs stay the model's own (vLLM's raw logprobs): the biased token keeps its rank, the top token its value.
+    biased = greedy(llm, PROMPTS[1], max_tokens=1, logprobs=1, logit_bias={forced: 100.0}).logprobs[0]
+    plain = greedy(llm, PROMPTS[1], max_tokens=1, logprobs=0).logprobs[0]
+    top = greedy_ref.token_ids[0]
+    assert biased[top].logprob == plain[top].logprob and biased[top].rank == 1
+    assert biased[forced].rank > 1 and biased[forced].logprob < plain[top].logprob
+
+
+def test_bad_words_are_tokenized_at_the_start_of_text_and_after_a_space(llm):
+    tokenizer = llm.get_tokenizer()
+    forms = [tokenizer.encode("Paris", add_special_tokens=False), tokenizer.encode(" Paris", add_special_tokens=False)]
+    assert forms[0] != forms[1]
+    assert bad_words_token_ids(tokenizer, ["Paris", "  Paris"]) == forms
+
+
+def test_llm_bad_words_are_never_generated(llm, greedy_ref):
+    first = greedy_ref.token_ids[0]
+    word = llm.get_tokenizer().decode([first])
+    assert [first] in bad_words_token_ids(llm.get_tokenizer(), [word])
+    for params in (dict(temperature=0), dict(seed=5)):
+        out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, bad_words=[word], **params))[0].outputs[0]
+        assert first not in out.token_ids
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        (dict(logit_bias={49152: 1.0}), "logit_bias"),
+        (dict(allowed_token_ids=[5, -1]), "allowed_token_ids"),
+        (dict(allowed_token_ids=[2], min_tokens=2), "allowed_token_ids"),  # only EOS allowed, and EOS blocked
+        (dict(allowed_token_ids=[2, 7], stop_token_ids=[7], min_tokens=1), "allowed_token_ids"),
+    ],
+)
+def test_logit_edits_out_of_the_vocabulary_are_refused(llm, params, match):
+    assert llm.engine.eos_token_ids == {2}
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["A good prompt first", "another"], [SamplingParams(max_tokens=2), SamplingParams(**params)])
+    assert not llm.engine.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module")

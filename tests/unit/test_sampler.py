@@ -313,3 +313,52 @@ def test_takes_argmax_only_for_plain_greedy_rows():
     assert Sampler.takes_argmax([make_row(temperature=0), make_row(temperature=0, min_tokens=4, ignore_eos=True)])
     for params in (dict(temperature=0.7), dict(temperature=0, logprobs=2), dict(temperature=0, presence_penalty=0.5)):
         assert not Sampler.takes_argmax([make_row(temperature=0), make_row(**params)])
+
+
+def banned_row(output=(), bad_words_token_ids=(), **params) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), list(output), 0, bad_words_token_ids=bad_words_token_ids)
+
+
+def test_sampler_logit_bias_moves_greedy_and_sampled_rows_but_not_logprobs(sampler):
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]]).expand(3, -1)
+    original = logits.clone()
+    rows = [
+        make_row(temperature=0, logit_bias={0: 5.0}, logprobs=0),
+        make_row(temperature=0, logit_bias={1: -1.5}),  # 1.5 < 2: token 2 wins
+        make_row(temperature=1.0, logit_bias={1: -100.0, 2: -100.0, 3: -100.0}),
+    ]
+    for _ in range(20):
+        out = sampler(logits, rows)
+        assert out.token_ids == [0, 2, 0]
+    assert out.logprobs[0] == pytest.approx(torch.log_softmax(original[0], -1)[0].item())  # the model's, unbiased
+    assert torch.equal(logits, original)
+
+
+def test_sampler_allowed_token_ids_keep_only_those(sampler):
+    logits = torch.randn(60)
+    allowed = logits.argsort()[:4].tolist()  # the four least likely tokens
+    greedy = sampler(logits[None], [make_row(temperature=0, allowed_token_ids=allowed)])
+    assert greedy.token_ids == [max(allowed, key=lambda t: logits[t].item())]
+    counts = sample_counts(sampler, logits, 2000, allowed_token_ids=allowed, top_k=3)
+    kept = sorted(allowed, key=lambda t: -logits[t].item())[:3]  # top_k counts among the allowed tokens only
+    assert set(counts.nonzero().flatten().tolist()) == set(kept)
+
+
+def test_sampler_bad_words_ban_a_last_token_only_after_its_prefix(sampler):
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, 6.0, 1.0]])
+    words = [[4], [2, 1]]  # token 4 always; token 1 right after a generated 2
+    assert sampler(logits, [banned_row([7, 2], words, temperature=0)]).token_ids == [2]
+    assert sampler(logits, [banned_row([2, 7], words, temperature=0)]).token_ids == [1]
+    # The prefix is matched against the generated tokens only, as vLLM does: a prompt ending in 2 leaves 1 allowed.
+    row = SamplingRow(SamplingParams(temperature=0), [2], 1, bad_words_token_ids=words)
+    assert sampler(logits, [row]).token_ids == [1]
+    for _ in range(20):  # sampled rows too
+        tokens = sampler(logits.expand(2, -1), [banned_row([2], words), banned_row([], words)]).token_ids
+        assert tokens[0] not in (1, 4) and tokens[1] != 4
+
+
+def test_takes_argmax_not_for_rows_whose_logits_a_request_edits():
+    edited = (dict(logit_bias={1: 1.0}), dict(allowed_token_ids=[1, 2]))
+    for params in edited:
+        assert not Sampler.takes_argmax([make_row(temperature=0), make_row(temperature=0, **params)])
+    assert not Sampler.takes_argmax([make_row(temperature=0), banned_row([], [[3]], temperature=0)])

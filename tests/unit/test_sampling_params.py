@@ -9,6 +9,7 @@ def test_sampling_params_defaults_match_vllm():
     assert (p.seed, p.max_tokens, p.min_tokens, p.logprobs) == (None, 16, 0, None)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
     assert p.stop == [] and p.stop_token_ids == []
+    assert p.logit_bias is None and p.allowed_token_ids is None and p.bad_words == []
     assert not p.include_stop_str_in_output and not p.ignore_eos and p.skip_special_tokens
     assert not p.is_greedy and p.output_kind is RequestOutputKind.CUMULATIVE
 
@@ -42,6 +43,15 @@ def test_sampling_params_defaults_match_vllm():
         ({"stop": 3}, "stop"),
         ({"stop_token_ids": [1, "2"]}, "stop_token_ids"),
         ({"output_kind": "final"}, "output_kind"),
+        ({"logit_bias": [1.0]}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),  # token ids are ints here; the server turns its strings into ints
+        ({"logit_bias": {5: float("inf")}}, "logit_bias"),
+        ({"logit_bias": {True: 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, 2.0]}, "allowed_token_ids"),
+        ({"allowed_token_ids": 3}, "allowed_token_ids"),
+        ({"bad_words": [3]}, "bad_words"),
+        ({"bad_words": ["ok", " "]}, "bad_words"),
     ],
 )
 def test_sampling_params_invalid_value_raises_value_error_naming_field(kwargs, field):
@@ -60,3 +70,9 @@ def test_sampling_params_stop_string_normalised_to_list():
     assert SamplingParams(stop="\n\n").stop == ["\n\n"]
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
     assert SamplingParams(stop_token_ids=(7, 8)).stop_token_ids == [7, 8]
+
+
+def test_sampling_params_logit_edits_normalised():
+    p = SamplingParams(logit_bias={5: 2, 7: -1.5}, allowed_token_ids=(3, 1), bad_words="dog")
+    assert p.logit_bias == {5: 2.0, 7: -1.5} and all(isinstance(v, float) for v in p.logit_bias.values())
+    assert p.allowed_token_ids == [3, 1] and p.bad_words == ["dog"]

@@ -14,8 +14,10 @@ from liteinfer.sampling import SamplingParams
 # SamplingParams fields a request may set under the same name; None (or absent) leaves SamplingParams' default.
 _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "allowed_token_ids", "bad_words",
 )
+# OpenAI's range for a logit bias; vLLM clamps a larger one into it.
+_MAX_LOGIT_BIAS = 100.0
 
 
 class OpenAIRequest(BaseModel):
@@ -40,8 +42,8 @@ class StreamOptions(OpenAIRequest):
 
 
 class SamplingRequest(OpenAIRequest):
-    """What completions and chat share; top_k, min_p, repetition_penalty, min_tokens and ignore_eos are extras
-    beyond OpenAI's set, with vLLM's names."""
+    """What completions and chat share; top_k, min_p, repetition_penalty, min_tokens, ignore_eos, allowed_token_ids
+    and bad_words are extras beyond OpenAI's set, with vLLM's names."""
 
     model: str | None = None
     n: int | None = None
@@ -58,6 +60,9 @@ class SamplingRequest(OpenAIRequest):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # vLLM's extra: each prompt token's logprob and the top `prompt_logprobs` tokens at its position, in a whole
     # response (a completion's choices, a chat response's top level); streamed responses refuse it, as vLLM's do.
     prompt_logprobs: int | None = None
@@ -75,7 +80,19 @@ class SamplingRequest(OpenAIRequest):
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
         asked = [top for top in (None if self.stream else self.prompt_logprobs, echo_logprobs) if top is not None]
         given["max_tokens"] = defaults.get("max_tokens") if max_tokens is None else max_tokens
+        if self.logit_bias:
+            given["logit_bias"] = self._logit_bias_by_token_id()
         return SamplingParams(**{**defaults, **given}, logprobs=logprobs, prompt_logprobs=max(asked, default=None))
+
+    def _logit_bias_by_token_id(self) -> dict[int, float]:
+        by_id = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            by_id[token_id] = min(_MAX_LOGIT_BIAS, max(-_MAX_LOGIT_BIAS, bias))
+        return by_id
 
     @property
     def include_usage(self) -> bool:
@@ -83,7 +100,7 @@ class SamplingRequest(OpenAIRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    unsupported: ClassVar[tuple[str, ...]] = ("suffix", "logit_bias", "best_of")
+    unsupported: ClassVar[tuple[str, ...]] = ("suffix", "best_of")
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default; null = up to the context limit
@@ -118,7 +135,7 @@ class ChatMessage(OpenAIRequest):
 
 class ChatCompletionRequest(SamplingRequest):
     unsupported: ClassVar[tuple[str, ...]] = (
-        "logit_bias", "tools", "tool_choice", "functions", "function_call", "response_format", "audio",
+        "tools", "tool_choice", "functions", "function_call", "response_format", "audio",
     )
 
     messages: list[ChatMessage] = Field(min_length=1)
