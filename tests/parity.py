@@ -210,6 +210,18 @@ FAMILY_VARIANTS = {
             tie_word_embeddings=False,
         ),
     ),
+    # YaRN as Qwen's model cards add it for long contexts: every position rotates with its frequencies, the slow pairs
+    # interpolated by `factor`, the fast ones kept, a ramp between; cos and sin scaled by the attention factor.
+    "qwen2-yarn": Variant(
+        "Qwen2ForCausalLM",
+        "Qwen2Config",
+        dict(
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 32, "beta_fast": 8.0},
+            tie_word_embeddings=True,
+        ),
+        LONG_PROMPTS,
+    ),
     # Long-rope both ways (see layers/rotary.py): a context within the original one rotates with the short
     # factors, a longer one with the long factors, which transformers uses for prompts longer than the original.
     "phi3-short": Variant(

@@ -19,6 +19,7 @@ from liteinfer.engine.packaged import PackagedDecoder
 from liteinfer.engine.scheduler import Scheduler, StaticScheduler
 from liteinfer.engine.sequence import Request, Sequence
 from liteinfer.engine.workers import ShardSpec, WorkerPool, pack_weights, weights_left_for_onednn
+from liteinfer.layers.rotary import positions_served
 from liteinfer.models.source import (
     ModelSource,
     generation_eos_token_ids,
@@ -153,7 +154,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
 
     def _resolve_max_model_len(self) -> int:
-        limit = self.hf_config.max_position_embeddings
+        limit = positions_served(self.hf_config)
         if self.config.max_model_len is None:
             return limit
         if self.config.max_model_len > limit:

@@ -1,4 +1,4 @@
-"""Rotary position embedding (the Hugging Face "rotate half" layout), with llama3, linear and longrope scaling."""
+"""Rotary position embedding (the Hugging Face "rotate half" layout), with llama3, linear, longrope and yarn scaling."""
 
 from __future__ import annotations
 
@@ -32,6 +32,20 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> tuple[float, 
     return theta, scaling
 
 
+def positions_served(config: Any) -> int:
+    """The longest context the model's rope serves: max_position_embeddings, but with YaRN what it was made for,
+    original_max_position_embeddings x factor (vLLM's rule: Qwen's model cards add YaRN to a config whose
+    max_position_embeddings is the original context). Linear scaling keeps max_position_embeddings: Hub configs
+    store the extended length there (Gemma 3's do), which vLLM multiplies by the factor once more."""
+    layer_types = set(getattr(config, "layer_types", None) or [None])
+    served = config.max_position_embeddings
+    for layer_type in layer_types:
+        _, scaling = rope_parameters(config, layer_type)
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn":
+            served = int(scaling["original_max_position_embeddings"] * scaling["factor"])
+    return served
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     """Llama 3.1's long-context rule: keep high frequencies, divide low ones by `factor`, blend in between."""
     factor = scaling["factor"]
@@ -41,6 +55,38 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     blend = ((original_len / wavelen - low_factor) / (high_factor - low_factor)).clamp(0, 1)
     # blend is 0 for wavelengths longer than original_len / low_factor and 1 below original_len / high_factor.
     return (1 - blend) * inv_freq / factor + blend * inv_freq
+
+
+def _yarn(powers: torch.Tensor, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al., 2023): (inverse frequencies, factor scaling cos and sin). A pair that turns more than
+    `beta_fast` times over the original context keeps its frequency, one that turns less than `beta_slow` times is
+    interpolated (divided by `factor`), and the pairs between blend the two along a linear ramp; cos and sin grow
+    with log(factor) to keep attention's entropy over the longer context."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    head_dim = 2 * len(powers)
+
+    def pair_turning(turns: float) -> float:  # the (fractional) pair whose wavelength fits `turns` times in original
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    first, last = pair_turning(scaling.get("beta_fast") or 32), pair_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        first, last = math.floor(first), math.ceil(last)
+    first, last = max(first, 0), min(last, head_dim - 1)
+    ramp = ((torch.arange(len(powers), dtype=torch.float32) - first) / ((last - first) or 1e-3)).clamp(0, 1)
+    inv_freq = (1 - ramp) / powers + ramp / (factor * powers)
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:  # DeepSeek's: the ratio of two such scales
+            attention_factor = _yarn_scale(factor, mscale) / _yarn_scale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_scale(factor)
+    return inv_freq, attention_factor
+
+
+def _yarn_scale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def _longrope_inv_freq(
@@ -78,9 +124,11 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / scaling["factor"]
         elif rope_type == "longrope":
             inv_freq, attention_factor = _longrope_inv_freq(powers, max_position, scaling)
+        elif rope_type == "yarn":
+            inv_freq, attention_factor = _yarn(powers, theta, scaling)
         elif rope_type is not None:
             raise ValueError(
-                f"unsupported rope scaling type {rope_type!r} (supported: default, llama3, linear, longrope)"
+                f"unsupported rope scaling type {rope_type!r} (supported: default, llama3, linear, longrope, yarn)"
             )
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor

@@ -9,6 +9,7 @@ from transformers import LlamaConfig
 
 from liteinfer.entrypoints.cli import main
 from liteinfer.layers import FULL, PackedLinear, RotaryEmbedding
+from liteinfer.layers.rotary import positions_served
 from liteinfer.models import get_model_class, supported_architectures
 from liteinfer.models.loader import load_weights
 
@@ -49,7 +50,8 @@ def tiny_config(**options) -> LlamaConfig:
     ("options", "match"),
     [
         ({"hidden_act": "relu"}, "hidden_act 'relu'"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope scaling type 'yarn'"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+         "rope scaling type 'dynamic'"),
         ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
         ({"layer_types": [FULL, "chunked_attention"]}, "chunked_attention"),
     ],
@@ -88,3 +90,35 @@ def test_longrope_picks_short_factors_within_the_original_context_and_long_ones_
     scale = math.sqrt(1 + math.log(64 / 16) / math.log(16))
     torch.testing.assert_close(cos_short[0, 0, :2], torch.cos(5 * inv / torch.tensor([1.0, 2.0])) * scale)
     torch.testing.assert_close(cos_long[0, 0, :2], torch.cos(5 * inv / torch.tensor([3.0, 5.0])) * scale)
+
+
+@pytest.mark.parametrize(
+    ("rope", "served"),
+    [
+        (None, 32),
+        ({"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}, 32),  # Hub configs store the extended length
+        ({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}, 64),
+        ({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64}, 256),
+    ],
+)
+def test_positions_served_are_the_configs_or_what_yarn_was_made_for(rope, served):
+    """As vLLM: YaRN serves original_max_position_embeddings x factor positions (Qwen's model cards add YaRN to a
+    config whose max_position_embeddings is the original context); other ropes max_position_embeddings."""
+    config = tiny_config(**({"rope_parameters": rope} if rope else {}))
+    assert positions_served(config) == served
+
+
+def test_yarn_keeps_fast_pairs_and_interpolates_slow_ones():
+    """Over an original context of 64 positions at theta 100, head_dim 8's pairs turn about 10, 3.2, 1.02 and 0.32
+    times: with beta_fast 4 and beta_slow 1, pair 0 keeps its frequency, pair 3 is divided by factor, pairs 1 and 2
+    lie on the ramp between; cos and sin are scaled by 0.1 ln(factor) + 1."""
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 4.0,
+               "beta_slow": 1.0, "truncate": False}
+    rotary = RotaryEmbedding(8, 64, 100.0, scaling)
+    cos, _ = rotary(torch.tensor([3]), torch.float32)
+    inv = 100.0 ** -(torch.arange(4) / 4)
+    low, high = (8 * math.log(64 / (turns * 2 * math.pi)) / (2 * math.log(100.0)) for turns in (4.0, 1.0))
+    ramp = ((torch.arange(4) - low) / (high - low)).clamp(0, 1)
+    assert ramp[0] == 0 and 0 < ramp[1] < ramp[2] < 1 and ramp[3] == 1
+    expected = torch.cos(3 * (inv * (1 - ramp) + inv / 4.0 * ramp)) * (0.1 * math.log(4.0) + 1)
+    torch.testing.assert_close(cos[0, 0, :4], expected)
