@@ -236,9 +236,43 @@ def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_engine(client, syn
     assert word not in result.choices[0].logprobs.tokens
 
 
+def test_stop_token_ids_include_stop_str_in_output_and_skip_special_tokens_reach_the_engine(client, expected):
+    reference = expected[PROMPTS[2]]
+    at = next(i for i in range(2, len(reference.token_ids)) if reference.token_ids[i] not in reference.token_ids[:i])
+    stop_id = reference.token_ids[at]
+    result = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"stop_token_ids": [stop_id]})
+    assert (result.choices[0].finish_reason, result.choices[0].stop_reason) == ("stop", stop_id)
+    stop = reference.text[len(reference.text) // 2 :][:3]
+    result = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0,
+                                       stop=stop, extra_body={"include_stop_str_in_output": True})
+    assert result.choices[0].text.endswith(stop) and result.choices[0].stop_reason == stop
+    forced = {"logit_bias": {"1": 100}}  # <|im_start|>, a special token (not this model's EOS)
+    for skip, text in ((True, ""), (False, "<|im_start|>" * 2)):
+        result = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=2,
+                                           extra_body={**forced, "skip_special_tokens": skip})
+        assert result.choices[0].text == text
+
+
 def test_logit_bias_is_clamped_to_openais_range():
     body = ChatCompletionRequest(messages=QUESTION, logit_bias={"5": 1000.0, "6": -1e9, " 7": 0.5})
     assert body.sampling_params({}, 4, None).logit_bias == {5: 100.0, 6: -100.0, 7: 0.5}
+
+
+def test_completion_top_logprobs_hold_the_chosen_token_too(client, sync_llm):
+    """OpenAI's legacy logprobs: each position's top_logprobs hold the chosen token besides the top `logprobs` ones
+    (so up to logprobs + 1 entries; only the chosen one at 0), echoed prompt tokens included."""
+    result = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=0,
+                                       echo=True)
+    logprobs = result.choices[0].logprobs
+    assert logprobs.top_logprobs[0] is None  # the prompt's first token: nothing predicts it
+    for token, chosen, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
+        assert top == {token: chosen}
+    result = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1, logprobs=1, echo=True)
+    prompt_positions = zip(logprobs.tokens[1:-4], logprobs.token_logprobs[1:-4],
+                           result.choices[0].logprobs.top_logprobs[1:-1])
+    assert all(top[token] == chosen and len(top) in (1, 2) for token, chosen, top in prompt_positions)
+    assert any(len(top) == 2 for top in result.choices[0].logprobs.top_logprobs[1:-1])  # a prompt token not the top
 
 
 def test_completion_logprobs_match_the_engine(client, sync_llm):
@@ -275,7 +309,9 @@ def test_echo_puts_the_prompt_and_its_logprobs_first_streamed_or_not(client, syn
         logprobs = choice.logprobs
         assert logprobs.token_logprobs == pytest.approx(expected_logprobs)
         assert logprobs.tokens == [sync_llm.tokenizer.decode([t]) for t in prompt_ids + sample.token_ids]
-        assert logprobs.top_logprobs[0] is None and all(len(top) == 2 for top in logprobs.top_logprobs[1:])
+        assert logprobs.top_logprobs[0] is None
+        assert all(top[token] == chosen and len(top) in (2, 3) for token, chosen, top in
+                   zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]))
         assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
         assert result.usage.prompt_tokens == len(prompt_ids)
         chunks = list(client.completions.create(prompt=prompt, stream=True, **options))
@@ -326,7 +362,7 @@ def test_prompt_logprobs_come_with_each_choice_and_the_chat_response(port, clien
     assert body["choices"][0]["prompt_logprobs"] == [
         None, *(as_wire([position], keep)[0] for position, keep in zip(references[0].prompt_logprobs[1:],
                                                                          own_or_top[1:]))]
-    assert all(len(top) == 3 for top in body["choices"][0]["logprobs"]["top_logprobs"][1:])
+    assert all(len(top) in (3, 4) for top in body["choices"][0]["logprobs"]["top_logprobs"][1:])
 
     conversation = sync_llm.chat(QUESTION, params)[0]
     status, body = request(port, "POST", "/v1/chat/completions", {"model": MODEL, "messages": QUESTION,
@@ -550,7 +586,7 @@ BAD_REQUESTS = {
                           None),
     "echo of a token prompt out of the vocabulary": ("POST", "/v1/completions",
                                                      {"prompt": [1, 10**9], "echo": True}, 400, None),
-    "unknown model": ("POST", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 400, "model"),
+    "unknown model": ("POST", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),  # OpenAI's, vLLM's
     "generation prompt and continued message": ("POST", "/v1/chat/completions",
                                                 {"messages": QUESTION, "continue_final_message": True}, 400,
                                                 "continue_final_message"),
@@ -595,6 +631,22 @@ BAD_REQUESTS = {
     "unknown route": ("GET", "/v1/nothing-here", None, 404, None),
     "wrong method": ("GET", "/v1/completions", None, 405, None),
 }
+
+
+REFUSED_WITH_THEIR_OWN_WORDS = {
+    "best_of": ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of is not supported by this server"),
+    "response_format": ("/v1/chat/completions", {"messages": QUESTION, "response_format": {"type": "json_object"}},
+                        "response_format is not supported by this server"),
+    "prompt and messages": ("/tokenize", {"prompt": "hi", "messages": QUESTION},
+                            "give exactly one of prompt and messages"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_WITH_THEIR_OWN_WORDS))
+def test_a_request_refused_as_a_whole_says_why(port, case):
+    path, body, message = REFUSED_WITH_THEIR_OWN_WORDS[case]
+    status, response = request(port, "POST", path, body)
+    assert (status, response["error"]["message"]) == (400, message)
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))

@@ -15,6 +15,7 @@ from liteinfer.sampling import SamplingParams
 _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "allowed_token_ids", "bad_words",
+    "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
 )
 # OpenAI's range for a logit bias; vLLM clamps a larger one into it.
 _MAX_LOGIT_BIAS = 100.0
@@ -42,8 +43,9 @@ class StreamOptions(OpenAIRequest):
 
 
 class SamplingRequest(OpenAIRequest):
-    """What completions and chat share; top_k, min_p, repetition_penalty, min_tokens, ignore_eos, allowed_token_ids
-    and bad_words are extras beyond OpenAI's set, with vLLM's names."""
+    """What completions and chat share; top_k, min_p, repetition_penalty, min_tokens, ignore_eos, allowed_token_ids,
+    bad_words, stop_token_ids, include_stop_str_in_output and skip_special_tokens are extras beyond OpenAI's set, with
+    vLLM's names."""
 
     model: str | None = None
     n: int | None = None
@@ -63,6 +65,9 @@ class SamplingRequest(OpenAIRequest):
     logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     # vLLM's extra: each prompt token's logprob and the top `prompt_logprobs` tokens at its position, in a whole
     # response (a completion's choices, a chat response's top level); streamed responses refuse it, as vLLM's do.
     prompt_logprobs: int | None = None

@@ -308,7 +308,7 @@ class OpenAIServer:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(400, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+            raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
 
     async def _submit(self, prefix: str, body: OpenAIRequest, prompts: list[PromptType], params: SamplingParams,
@@ -454,6 +454,13 @@ def _top(position: PositionLogprobs, k: int) -> list[Logprob]:
     return sorted(position.values(), key=lambda logprob: logprob.rank)[:k]
 
 
+def _chosen_and_top(position: PositionLogprobs, token_id: int, k: int) -> dict[str, float]:
+    """A legacy completion's top_logprobs at one position: the chosen token, then the top k (OpenAI's: "up to
+    logprobs + 1 elements"), by their text."""
+    chosen = position[token_id]
+    return {lp.decoded_token or "": lp.logprob for lp in [chosen, *_top(position, k)]}
+
+
 def _completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], k: int, offset: int,
                          first_token: str | None = None) -> CompletionLogprobs:
     """`positions[i]` holds token_ids[i]'s logprob; None for an echoed prompt's first token, whose text is
@@ -470,7 +477,7 @@ def _completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs 
         chosen = position[token_id]
         out.tokens.append(chosen.decoded_token or "")
         out.token_logprobs.append(chosen.logprob)
-        out.top_logprobs.append({lp.decoded_token or "": lp.logprob for lp in _top(position, k)})
+        out.top_logprobs.append(_chosen_and_top(position, token_id, k))
         out.text_offset.append(offset)
         offset += len(chosen.decoded_token or "")
     return out
@@ -526,6 +533,8 @@ def _add_error_handlers(app: FastAPI) -> None:
             return APIError(400, f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}"
                             ).response()
         location = [str(part) for part in error["loc"] if part != "body"]
+        if not location and error["type"] == "value_error":  # a check of the whole request (protocol.py) refused it
+            return APIError(400, str(error["ctx"]["error"])).response()
         if not location:  # the body as a whole: not an object, or not sent as JSON
             return APIError(400, "the body must be a JSON object, sent as Content-Type: application/json").response()
         param = ".".join(location)
