@@ -15,6 +15,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL
+    # A Hub model's version (branch, tag or commit); the tokenizer from elsewhere (a directory, .gguf file or Hub id;
+    # None: the model's own) and its version (vLLM's options).
+    revision: str | None = None
+    tokenizer: str | None = None
+    tokenizer_revision: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # None = the model's max_position_embeddings
@@ -69,6 +74,10 @@ class EngineConfig:
             if f.type in ("int", "int | None") and value is not None:
                 require(isinstance(value, int) and not isinstance(value, bool), f.name, "must be an integer")
         require(isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string")
+        for name in ("revision", "tokenizer", "tokenizer_revision"):
+            value = getattr(self, name)
+            require(value is None or (isinstance(value, str) and bool(value)), name,
+                    "must be None or a non-empty string")
         require(self.dtype in ("auto", *_DTYPES), "dtype", f"must be one of auto, {', '.join(_DTYPES)}")
         require(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
         require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")

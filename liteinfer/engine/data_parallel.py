@@ -26,7 +26,7 @@ from typing import Any
 from liteinfer.config import EngineConfig
 from liteinfer.engine.llm_engine import EngineStats, LLMEngine, PromptType
 from liteinfer.engine.workers import freeze_startup_objects
-from liteinfer.models.source import load_config, load_tokenizer, resolve_model, sampling_defaults
+from liteinfer.models.source import load_config, load_tokenizer, resolve_model, sampling_defaults, tokenizer_source
 from liteinfer.outputs import CompletionOutput, RequestOutput
 from liteinfer.sampling import RequestOutputKind, SamplingParams
 
@@ -123,9 +123,9 @@ class DataParallelEngine:
     def __init__(self, config: EngineConfig):
         ray = _ray()
         self.config = config
-        source = resolve_model(config.model)  # converts a GGUF once, here, before the replicas look for it
+        source = resolve_model(config.model, config.revision)  # converts a GGUF once, here, before the replicas do
         self.hf_config = load_config(source)
-        self.tokenizer = load_tokenizer(source)
+        self.tokenizer = load_tokenizer(tokenizer_source(source, config.tokenizer, config.tokenizer_revision))
         self.eos_token_ids = self._eos_token_ids(source)
         self.sampling_defaults = sampling_defaults(source, config.generation_config)
         if not ray.is_initialized():

@@ -27,6 +27,7 @@ from liteinfer.models.source import (
     load_tokenizer,
     resolve_model,
     sampling_defaults,
+    tokenizer_source,
 )
 from liteinfer.outputs import PositionLogprobs, RequestMetrics, RequestOutput
 from liteinfer.sampling import RequestOutputKind, Sampler, SamplerOutput, SamplingParams
@@ -89,9 +90,9 @@ class LLMEngine:
                              "start the replicas (engine/data_parallel.py)")
         self.config = config
         torch.manual_seed(config.seed)
-        source = resolve_model(config.model)
+        source = resolve_model(config.model, config.revision)
         self.hf_config = load_config(source)
-        self.tokenizer = load_tokenizer(source)
+        self.tokenizer = load_tokenizer(tokenizer_source(source, config.tokenizer, config.tokenizer_revision))
         self.sampling_defaults = sampling_defaults(source, config.generation_config)
         self.device = config.torch_device()
         if config.quantization is not None and self.device.type != "cpu":  # device="auto" found a GPU

@@ -137,8 +137,9 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 def _engine_options(args: argparse.Namespace) -> dict:
     options = dict(dtype=args.dtype, device=args.device)
-    for name in ("max_model_len", "max_num_seqs", "quantization", "kv_cache_dtype", "enforce_eager",
-                 "generation_config", "tensor_parallel_size", "data_parallel_size", "ray_address"):
+    for name in ("revision", "tokenizer", "tokenizer_revision", "max_model_len", "max_num_seqs", "quantization",
+                 "kv_cache_dtype", "enforce_eager", "generation_config", "tensor_parallel_size", "data_parallel_size",
+                 "ray_address"):
         if getattr(args, name, None) is not None:  # unset: leave the engine's own default
             options[name] = getattr(args, name)
     return options
@@ -231,6 +232,9 @@ def _add_batching_args(parser: argparse.ArgumentParser) -> None:
 def _add_model_args(parser: argparse.ArgumentParser, default_dtype: str) -> None:
     parser.add_argument("--model", "-m", default=DEFAULT_MODEL,
                         help="model directory, .gguf file or Hub id (default: %(default)s)")
+    parser.add_argument("--revision", help="a Hub model's branch, tag or commit (default: its main branch)")
+    parser.add_argument("--tokenizer", help="the tokenizer's directory, .gguf file or Hub id (default: the model's)")
+    parser.add_argument("--tokenizer-revision", help="the tokenizer's branch, tag or commit on the Hub")
     parser.add_argument("--dtype", default=default_dtype, choices=["auto", "float32", "bfloat16", "float16"],
                         help="weight and activation dtype (default: %(default)s)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="(default: auto)")

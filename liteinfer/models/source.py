@@ -47,6 +47,9 @@ _HUB_PATTERNS = [
     "model*.safetensors",
     INDEX_FILE,
 ]
+# A tokenizer named apart from its model needs only these (config.json: some tokenizers' classes are found there).
+_HUB_TOKENIZER_PATTERNS = [pattern for pattern in _HUB_PATTERNS if pattern not in (GENERATION_CONFIG_NAME,
+                                                                                   "model*.safetensors", INDEX_FILE)]
 # Bounds the memory a GGUF conversion holds before writing (one shard of dequantized float32 tensors).
 _CONVERTED_SHARD_BYTES = 1 << 30
 
@@ -58,22 +61,40 @@ class ModelSource:
     gguf_file: str | None = None  # file name inside `path` when the weights are GGUF
 
 
-def resolve_model(model: str) -> ModelSource:
-    """Turn what the user typed into a local directory, downloading or converting on first use."""
-    path = Path(model).expanduser()
+def resolve_model(model: str, revision: str | None = None) -> ModelSource:
+    """Turn what the user typed into a local directory, downloading or converting on first use; `revision` (a Hub
+    id's branch, tag or commit) picks the version of a Hub model."""
+    return _resolve(model, revision, weights=True)
+
+
+def tokenizer_source(model: ModelSource, tokenizer: str | None, revision: str | None) -> ModelSource:
+    """Where the tokenizer comes from (vLLM's `tokenizer` and `tokenizer_revision` options): the model's own files,
+    or those of `tokenizer` (a directory, a .gguf file or a Hub id, of which only the tokenizer's files are
+    fetched) at `revision`; a revision alone names another version of the model's repository."""
+    if tokenizer is None and revision is None:
+        return model
+    return _resolve(tokenizer or model.name, revision, weights=False)
+
+
+def _resolve(name: str, revision: str | None, weights: bool) -> ModelSource:
+    path = Path(name).expanduser()
     # What is on disk comes first, as in transformers and vLLM: a clone named like the built-in model included.
-    if model == DEFAULT_MODEL and not path.exists():
-        return _from_gguf(model, _builtin_gguf_path())
+    builtin = name == DEFAULT_MODEL and not path.exists()
+    if revision is not None and (builtin or path.exists()):
+        raise ValueError(f"revision={revision!r} picks a version of a Hub model; {name} is on this machine")
+    if builtin:
+        return _from_gguf(name, _builtin_gguf_path())
     if path.is_dir():
-        safetensors_files(path)  # fail now, not after the config and tokenizer have loaded
-        return ModelSource(model, path)
+        if weights:
+            safetensors_files(path)  # fail now, not after the config and tokenizer have loaded
+        return ModelSource(name, path)
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ValueError(f"{model}: expected a model directory or a .gguf file")
-        return _from_gguf(model, path)
-    if model.startswith(("/", ".", "~")) or model.endswith(".gguf"):
-        raise FileNotFoundError(f"model path not found: {model}")
-    return _from_hub(model)
+            raise ValueError(f"{name}: expected a model directory or a .gguf file")
+        return _from_gguf(name, path)
+    if name.startswith(("/", ".", "~")) or name.endswith(".gguf"):
+        raise FileNotFoundError(f"{'model' if weights else 'tokenizer'} path not found: {name}")
+    return _from_hub(name, revision, weights)
 
 
 def load_config(source: ModelSource) -> PretrainedConfig:
@@ -160,21 +181,22 @@ def _builtin_gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / _BUILTIN_GGUF
 
 
-def _from_hub(repo_id: str) -> ModelSource:
+def _from_hub(repo_id: str, revision: str | None, weights: bool) -> ModelSource:
+    patterns = _HUB_PATTERNS if weights else _HUB_TOKENIZER_PATTERNS
     try:
-        path = huggingface_hub.snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS)
+        path = huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
     except LocalEntryNotFoundError as e:
+        what = repo_id if revision is None else f"{repo_id} at revision {revision}"
         if huggingface_hub.is_offline_mode():
             raise FileNotFoundError(
-                f"{repo_id} is neither a local path nor in the Hugging Face cache "
+                f"{what} is neither a local path nor in the Hugging Face cache "
                 f"({huggingface_hub.constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE is set so it cannot be "
                 "downloaded"
             ) from e
-        raise FileNotFoundError(
-            f"{repo_id} is neither a local path nor downloadable from the Hub ({e})"
-        ) from e
+        raise FileNotFoundError(f"{what} is neither a local path nor downloadable from the Hub ({e})") from e
     path = Path(path)
-    safetensors_files(path)
+    if weights:
+        safetensors_files(path)
     return ModelSource(repo_id, path)
 
 

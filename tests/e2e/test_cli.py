@@ -98,6 +98,8 @@ def test_chat_applies_the_chat_template(capsys, tiny_llama_dir, model_args):
         (["--top-p", "0"], "top_p must be in (0, 1]"),
         (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
         (["--kv-cache-dtype", "int8", "--device", "cuda"], "kv_cache_dtype int8 runs on CPU"),
+        (["--revision", "v1"], "revision='v1' picks a version of a Hub model"),  # the model is a local directory
+        (["--tokenizer", "/no/such/tokenizer"], "tokenizer path not found: /no/such/tokenizer"),
     ],
 )
 def test_invalid_values_exit_2_with_the_message(capsys, model_args, bad_args, message):

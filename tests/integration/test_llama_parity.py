@@ -438,6 +438,16 @@ def test_engine_duplicate_request_id_raises_valueerror(llm):
     assert out.prompt_token_ids == llm.tokenizer.encode("Hello")
 
 
+def test_llm_takes_a_tokenizer_of_its_own(tiny_llama_dir, tmp_path, llm):
+    """vLLM's `tokenizer` option: the weights from one place, the tokenizer (and its chat template) from another."""
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_llama_dir / name, tmp_path / name)
+    with pytest.raises(ValueError, match="its tokenizer could not be loaded"):
+        LLM(str(tmp_path), dtype="float32")
+    with LLM(str(tmp_path), dtype="float32", tokenizer=str(tiny_llama_dir), num_kv_blocks=16) as own:
+        assert greedy(own, PROMPTS[1], max_tokens=4).text == greedy(llm, PROMPTS[1], max_tokens=4).text
+
+
 def test_llm_unknown_engine_option_raises_valueerror(tiny_llama_dir):
     with pytest.raises(ValueError, match=r"unknown engine option.*not_an_option"):
         LLM(str(tiny_llama_dir), dtype="float32", not_an_option=1)
@@ -461,6 +471,9 @@ def test_llm_unknown_engine_option_raises_valueerror(tiny_llama_dir):
         ({"scheduler": "fifo"}, "scheduler"),
         ({"enforce_eager": 1}, "enforce_eager"),
         ({"max_logprobs": -2}, "max_logprobs"),
+        ({"tokenizer": ""}, "tokenizer"),
+        ({"revision": 3}, "revision"),
+        ({"revision": "v1"}, "revision='v1' picks a version of a Hub model"),  # the model is a local directory
         # Checked against the model once its config is read.
         ({"max_model_len": 100_000}, "max_model_len"),
         ({"max_num_batched_tokens": 100, "enable_chunked_prefill": False}, "max_num_batched_tokens"),

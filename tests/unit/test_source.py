@@ -16,6 +16,7 @@ from liteinfer.models.source import (
     load_tokenizer,
     resolve_model,
     sampling_defaults,
+    tokenizer_source,
 )
 
 
@@ -160,15 +161,54 @@ def offline_hub(tmp_path, monkeypatch):
     return hub_cache
 
 
-def test_resolve_hub_id_found_in_offline_cache(offline_hub):
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = offline_hub / "models--org--tiny"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
+def cached_snapshot(hub_cache, repo_id: str, commit: str, ref: str | None = "main", weights: bool = True):
+    """A snapshot of `repo_id` in the Hugging Face cache layout (refs/<ref> naming the commit), with a model's files
+    or, without weights, a tokenizer's only."""
+    repo = hub_cache / f"models--{repo_id.replace('/', '--')}"
+    if ref is not None:
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
     snapshot = repo / "snapshots" / commit
-    write_model_dir(snapshot)
+    if weights:
+        write_model_dir(snapshot)
+    else:
+        snapshot.mkdir(parents=True)
+        (snapshot / "tokenizer_config.json").write_text("{}")
+    return snapshot
 
+
+def test_resolve_hub_id_found_in_offline_cache(offline_hub):
+    snapshot = cached_snapshot(offline_hub, "org/tiny", "0123456789abcdef0123456789abcdef01234567")
     assert resolve_model("org/tiny") == ModelSource("org/tiny", snapshot)
+
+
+def test_resolve_hub_id_at_a_revision_takes_that_snapshot(offline_hub):
+    """vLLM's `revision`: a branch or tag the cache's refs name, or a commit hash."""
+    main = cached_snapshot(offline_hub, "org/tiny", "a" * 40)
+    tagged = cached_snapshot(offline_hub, "org/tiny", "b" * 40, ref="v1")
+    pinned = cached_snapshot(offline_hub, "org/tiny", "c" * 40, ref=None)
+    assert resolve_model("org/tiny").path == main
+    assert resolve_model("org/tiny", revision="v1").path == tagged
+    assert resolve_model("org/tiny", revision="c" * 40).path == pinned
+    with pytest.raises(FileNotFoundError, match="org/tiny.*revision v2"):
+        resolve_model("org/tiny", revision="v2")
+
+
+def test_a_revision_of_a_local_model_is_refused(tmp_path):
+    write_model_dir(tmp_path)
+    with pytest.raises(ValueError, match="revision='v1' picks a version of a Hub model"):
+        resolve_model(str(tmp_path), revision="v1")
+
+
+def test_a_tokenizer_of_its_own_needs_no_weights(offline_hub, tmp_path):
+    """vLLM's `tokenizer` option: a Hub id whose snapshot holds tokenizer files only, or a local directory."""
+    model = ModelSource("org/tiny", tmp_path)
+    assert tokenizer_source(model, None, None) is model
+    snapshot = cached_snapshot(offline_hub, "org/tok", "d" * 40, weights=False)
+    assert tokenizer_source(model, "org/tok", None) == ModelSource("org/tok", snapshot)
+    assert tokenizer_source(model, str(snapshot), None) == ModelSource(str(snapshot), snapshot)
+    tagged = cached_snapshot(offline_hub, "org/tiny", "e" * 40, ref="v1", weights=False)
+    assert tokenizer_source(model, None, "v1") == ModelSource("org/tiny", tagged)  # the model's repo, another version
 
 
 def test_resolve_hub_id_missing_from_offline_cache_raises(offline_hub):
