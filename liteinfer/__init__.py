@@ -11,7 +11,7 @@ from liteinfer.config import EngineConfig
 from liteinfer.engine import AsyncLLM, LLMEngine
 from liteinfer.llm import LLM
 from liteinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from liteinfer.sampling import RequestOutputKind, SamplingParams
+from liteinfer.sampling import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -26,4 +26,5 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

@@ -22,7 +22,7 @@ class EngineConfig:
     tokenizer_revision: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    max_model_len: int | None = None  # None = the positions the model serves (layers/rotary.py: positions_served)
     max_num_seqs: int = 256
     # Tokens computed per step. None = 2048 with chunked prefill (bounds attention's memory on long prompts),
     # else max(8192, max_model_len) so that any prompt fits in one step.

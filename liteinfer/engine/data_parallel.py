@@ -28,7 +28,7 @@ from liteinfer.engine.llm_engine import EngineStats, LLMEngine, PromptType
 from liteinfer.engine.workers import freeze_startup_objects
 from liteinfer.models.source import load_config, load_tokenizer, resolve_model, sampling_defaults, tokenizer_source
 from liteinfer.outputs import CompletionOutput, RequestOutput
-from liteinfer.sampling import RequestOutputKind, SamplingParams
+from liteinfer.sampling import GrammarMatchers, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class _Tracked:
 
 
 class DataParallelEngine:
-    # The same checks, over tokenizer, hf_config, eos_token_ids and max_model_len.
+    # The same checks, over tokenizer, hf_config, eos_token_ids, grammars and max_model_len.
     validate_request = LLMEngine.validate_request
     _eos_token_ids = LLMEngine._eos_token_ids
     default_sampling_params = LLMEngine.default_sampling_params
@@ -127,6 +127,7 @@ class DataParallelEngine:
         self.hf_config = load_config(source)
         self.tokenizer = load_tokenizer(tokenizer_source(source, config.tokenizer, config.tokenizer_revision))
         self.eos_token_ids = self._eos_token_ids(source)
+        self.grammars = GrammarMatchers(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self.sampling_defaults = sampling_defaults(source, config.generation_config)
         if not ray.is_initialized():
             ray.init(address=config.ray_address, include_dashboard=False)

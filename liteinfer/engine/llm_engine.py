@@ -30,7 +30,7 @@ from liteinfer.models.source import (
     tokenizer_source,
 )
 from liteinfer.outputs import PositionLogprobs, RequestMetrics, RequestOutput
-from liteinfer.sampling import RequestOutputKind, Sampler, SamplerOutput, SamplingParams
+from liteinfer.sampling import NO_TOKEN, GrammarMatchers, RequestOutputKind, Sampler, SamplerOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +138,7 @@ class LLMEngine:
         # <|eot_id|>, Gemma's <end_of_turn>) end it as stop token ids do, with their id, as vLLM reports them.
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
         self.eos_token_ids = self._eos_token_ids(source)
+        self.grammars = GrammarMatchers(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         compiled = None
         if not config.enforce_eager:
             # A CPU runs packages (engine/packaged.py) unless some W waits for oneDNN's prepacking, which only
@@ -228,6 +229,8 @@ class LLMEngine:
         for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
             if any(not 0 <= t < vocab for t in getattr(params, name) or ()):
                 raise ValueError(f"{name} must name token ids in [0, {vocab}), got {getattr(params, name)}")
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
         stop_ids = self.eos_token_ids.union(params.stop_token_ids)
         if params.min_tokens and params.allowed_token_ids and stop_ids.issuperset(params.allowed_token_ids):
             raise ValueError(f"allowed_token_ids {params.allowed_token_ids} are all end-of-sequence or stop tokens, "
@@ -285,6 +288,7 @@ class LLMEngine:
                 ),
                 generator=self._generator(params.seed, index),
                 bad_words_token_ids=bad_words,
+                grammar=None if params.structured_outputs is None else self.grammars.matcher(params.structured_outputs),
                 prompt_logprobs=[None] if params.prompt_logprobs is not None and index == 0 else None,
             )
             for index in range(params.n)
@@ -372,6 +376,11 @@ class LLMEngine:
 
     def _append_token(self, request: Request, seq: Sequence, out: SamplerOutput, row: int) -> None:
         token = out.token_ids[row]
+        if token == NO_TOKEN:
+            raise ValueError("no token is left to sample: the request's allowed_token_ids, structured output format, "
+                             "bad_words and min_tokens together exclude every one")
+        if seq.grammar is not None and not seq.grammar.consume_token(token):
+            raise ValueError(f"token {token} breaks the structured output's format: {seq.grammar.get_error()}")
         seq.token_ids.append(token)
         request.metrics.first_token_time = request.metrics.first_token_time or time.monotonic()
         if seq.params.logprobs is not None:

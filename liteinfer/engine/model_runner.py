@@ -49,8 +49,8 @@ class ModelRunner:
         logit_rows = torch.tensor([row for _, row in sampling] + score_rows, dtype=torch.long, device=self.device)
         step = StepInputs(input_ids, meta, logit_rows, len(sampling))
         seqs = [batch.seqs[i] for i, _ in sampling]
-        rows = [SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator, seq.bad_words_token_ids)
-                for seq in seqs]
+        rows = [SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator, seq.bad_words_token_ids,
+                            seq.grammar) for seq in seqs]
         result = StepResult([i for i, _ in sampling])
         try:
             if self.workers is not None:

@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import torch
+from llguidance import LLMatcher
 
 from liteinfer.engine.detokenizer import IncrementalDetokenizer
 from liteinfer.outputs import CompletionOutput, FinishReason, PositionLogprobs, RequestMetrics, RequestOutput
@@ -40,6 +41,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words tokenized (the sampler's)
+    grammar: LLMatcher | None = None  # params.structured_outputs' matcher, fed each appended token
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

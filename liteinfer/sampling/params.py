@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from numbers import Integral, Real
 
+from liteinfer.sampling.structured import StructuredOutputsParams
+
 # Below this temperature a request is sampled greedily: dividing logits by ~0 would overflow anyway.
 _GREEDY_TEMPERATURE = 1e-5
 
@@ -67,6 +69,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: str | list[str] | None = None  # always a list[str] after construction
     logit_bias: dict[int, float] | None = None
+    # Output in a format (a JSON schema, a regex, a choice, a grammar): only the tokens that keep to it are sampled.
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -130,6 +134,8 @@ class SamplingParams:
         )
         if bias is not None:
             self.logit_bias = {int(t): float(v) for t, v in bias.items()}
+        _require(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+                 f"structured_outputs must be None or a StructuredOutputsParams, got {self.structured_outputs!r}")
 
     def _check_ranges(self) -> None:
         _require(self.n >= 1, f"n must be >= 1, got {self.n}")
@@ -158,8 +164,19 @@ class SamplingParams:
         _require(all(self.stop), f"stop strings must be non-empty, got {self.stop!r}")
         _require(self.allowed_token_ids != [], "allowed_token_ids must not be empty (None allows every token)")
         _require(all(w.strip() for w in self.bad_words), f"bad_words must be words, not blank, got {self.bad_words!r}")
+        # Tokenized only when the request is queued: a word the tokenizer cannot take (a lone surrogate, which a JSON
+        # string's escapes can carry) must fail here, before anything is queued.
+        _require(all(map(_is_unicode, self.bad_words)), f"bad_words must be valid Unicode, got {self.bad_words!r}")
         _require(isinstance(self.output_kind, RequestOutputKind),
                  f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_finite(value: object) -> bool:

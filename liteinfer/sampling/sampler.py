@@ -1,9 +1,8 @@
 """Turns one step's logits into next tokens and logprobs, with one tensor pipeline over the whole batch.
 
-Stages run in vLLM's order: raw logprobs -> allowed tokens -> bad words, min_tokens -> logit bias -> penalties ->
-greedy argmax, or
-temperature -> min_p -> top_k/top_p -> sampling. A stage that no row uses is skipped, and a stage
-that only some rows use runs on those rows alone.
+Stages run in vLLM's order: raw logprobs -> allowed tokens, a structured output's format -> bad words, min_tokens ->
+logit bias -> penalties -> greedy argmax, or temperature -> min_p -> top_k/top_p -> sampling. A stage that no row
+uses is skipped, and a stage that only some rows use runs on those rows alone.
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +18,14 @@ import torch
 from liteinfer import kernels
 from liteinfer.outputs import Logprob
 from liteinfer.sampling.params import SamplingParams
+from liteinfer.sampling.structured import allowed_tokens
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+# The token of a row whose request's own constraints (allowed tokens, a format, bad words, min_tokens) leave no token
+# to sample: the engine fails that request alone.
+NO_TOKEN = -1
 
 # How many of the most likely tokens apply_top_p looks at first (see there).
 _TOP_P_FIRST_CANDIDATES = 128
@@ -35,6 +43,8 @@ class SamplingRow:
     generator: torch.Generator | None = None
     # params.bad_words as token ids, each word in each of its forms (the engine tokenizes them once per request).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # The sequence's structured output matcher (params.structured_outputs), which the engine advances.
+    grammar: LLMatcher | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -54,7 +64,7 @@ class SamplingRow:
 class SamplerOutput:
     """What one step sampled, row by row in the order of the logits."""
 
-    token_ids: list[int]  # one per row
+    token_ids: list[int]  # one per row (NO_TOKEN where the request's constraints exclude every token)
     logprobs: list[float | None]  # sampled token's logprob per row; None where params.logprobs is None
     # Per row: the sampled token plus the top params.logprobs tokens; None where not requested.
     top_logprobs: list[dict[int, Logprob] | None]
@@ -78,8 +88,9 @@ class Sampler:
         if logprob_rows:
             raw_logprobs = _take_rows(logits, logprob_rows).log_softmax(-1, dtype=torch.float32)
 
-        # Greedy rows without penalties take the argmax of the raw logits, with no copy. Rows that a stage edits in
-        # place (min_tokens, penalties) get a float copy of their own; sampling's stages are the draw's, uncopied.
+        # Greedy rows without penalties or edits take the argmax of the raw logits, with no copy. Rows that a stage
+        # edits in place (the request's edits, penalties) get a float copy of their own; sampling's stages are the
+        # draw's, uncopied.
         edited = [i for i, row in enumerate(rows) if not _plain_greedy(row)]
         plain = [i for i, row in enumerate(rows) if _plain_greedy(row)]
         if not edited:
@@ -105,7 +116,8 @@ class Sampler:
         top_logprobs: list[dict[int, Logprob] | None] = [None] * len(rows)
         if raw_logprobs is not None:
             num_top = [params[i].logprobs for i in logprob_rows]
-            row_logprobs, row_tops = gather_logprobs(raw_logprobs, tokens[logprob_rows], num_top)
+            # A row left with NO_TOKEN fails, so what its clamped id gathers is never read.
+            row_logprobs, row_tops = gather_logprobs(raw_logprobs, tokens[logprob_rows].clamp(min=0), num_top)
             for i, logprob, top in zip(logprob_rows, row_logprobs, row_tops, strict=True):
                 logprobs[i], top_logprobs[i] = logprob, top
         return SamplerOutput(token_ids, logprobs, top_logprobs)
@@ -133,15 +145,19 @@ class Sampler:
         """Tokens of rows whose logits a request edits, or that sample. `owned`: `logits` is a copy, which the edits
         may change in place; otherwise it is the caller's, copied before they do."""
         allowed = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+        formatted = [i for i, row in enumerate(rows) if row.grammar is not None]
         banned = [(i, token) for i, row in enumerate(rows) for token in self._banned_tokens(row)]
         biased = [(i, token, bias) for i, row in enumerate(rows) if row.params.logit_bias
                   for token, bias in row.params.logit_bias.items()]
         penalised = [i for i, row in enumerate(rows) if _uses_penalty(row.params)]
-        if allowed or banned or biased or penalised:
+        if allowed or formatted or banned or biased or penalised:
             logits = logits.to(torch.float32, copy=not owned)
         if allowed:
             allowed_ids = [rows[i].params.allowed_token_ids for i in allowed]
             logits = _update_rows(logits, allowed, lambda x: keep_only(x, allowed_ids))
+        if formatted:
+            keeps_format = allowed_tokens([rows[i].grammar for i in formatted], logits.shape[1]).to(logits.device)
+            logits = _update_rows(logits, formatted, lambda x: x.masked_fill_(~keeps_format, -float("inf")))
         if banned:
             row_idx, token_idx = zip(*banned, strict=True)
             logits[list(row_idx), list(token_idx)] = -float("inf")
@@ -159,6 +175,10 @@ class Sampler:
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if sampled:
             tokens[sampled] = _sample(_take_rows(logits, sampled), [rows[i] for i in sampled])
+        constrained = sorted({*allowed, *formatted, *(i for i, _ in banned)})
+        if constrained:
+            left_nothing = torch.isneginf(_take_rows(logits, constrained)).all(-1).nonzero().flatten().tolist()
+            tokens[[constrained[j] for j in left_nothing]] = NO_TOKEN
         return tokens
 
     def _banned_tokens(self, row: SamplingRow) -> list[int]:
@@ -351,7 +371,8 @@ def gather_logprobs(
 def _plain_greedy(row: SamplingRow) -> bool:
     """Whether a row's token is the argmax of its raw logits (unless min_tokens forbids that token)."""
     params = row.params
-    edits = params.allowed_token_ids is not None or params.logit_bias or row.bad_words_token_ids
+    edits = (params.allowed_token_ids is not None or params.logit_bias or row.bad_words_token_ids
+             or row.grammar is not None)
     return params.is_greedy and not _uses_penalty(params) and not edits
 
 

@@ -5,6 +5,7 @@ import gc
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -252,6 +253,33 @@ def test_stop_token_ids_include_stop_str_in_output_and_skip_special_tokens_reach
         result = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=2,
                                            extra_body={**forced, "skip_special_tokens": skip})
         assert result.choices[0].text == text
+
+
+SHAPE = {"type": "object", "properties": {"shape": {"enum": ["circle", "square"]},
+                                          "sides": {"type": "integer", "minimum": 0, "maximum": 9}},
+         "required": ["shape", "sides"], "additionalProperties": False}
+
+
+def test_structured_outputs_by_response_format_or_vllms_fields(client):
+    """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs and guided_* fields."""
+    compact = {"structured_outputs": {"json": SHAPE, "disable_any_whitespace": True}}
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40, temperature=0,
+                                          extra_body=compact)
+    shape = json.loads(chat.choices[0].message.content)
+    assert shape["shape"] in ("circle", "square") and 0 <= shape["sides"] <= 9
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                           extra_body={"guided_choice": ["red", "green"]})
+    assert completion.choices[0].text in ("red", "green") and completion.choices[0].finish_reason == "stop"
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                           extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{4}", completion.choices[0].text)
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=40, temperature=0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "shape", "schema": SHAPE}},
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    # JSON may hold any whitespace between its tokens, which the random model writes until max_tokens ends it.
+    assert re.match(r'\{\s*"shape"\s*:\s*"(circle|square)"', text), text
 
 
 def test_logit_bias_is_clamped_to_openais_range():
@@ -619,8 +647,21 @@ BAD_REQUESTS = {
                                       "logit_bias"),
     "logit_bias token out of the vocabulary": ("POST", "/v1/chat/completions",
                                                {"messages": QUESTION, "logit_bias": {"49152": 1}}, 400, "logit_bias"),
+    "logit_bias not a number": ("POST", "/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": NaN}}', 400,
+                                "logit_bias"),
     "empty allowed_token_ids": ("POST", "/v1/completions", {"prompt": "hi", "allowed_token_ids": []}, 400,
                                 "allowed_token_ids"),
+    "a schema that does not compile": ("POST", "/v1/chat/completions",
+                                       {"messages": QUESTION, "response_format": {
+                                           "type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+                                       400, "structured_outputs"),
+    "json_schema without a schema": ("POST", "/v1/chat/completions",
+                                     {"messages": QUESTION, "response_format": {"type": "json_schema"}}, 400,
+                                     "response_format"),
+    "two formats": ("POST", "/v1/completions", {"prompt": "hi", "guided_regex": "a", "structured_outputs": {
+        "regex": "b"}}, 400, "structured_outputs"),
+    "unknown structured_outputs field": ("POST", "/v1/completions", {"prompt": "hi", "structured_outputs": {
+        "yaml": "x"}}, 400, "structured_outputs"),
     "bad token id": ("POST", "/detokenize", {"tokens": [-1]}, 400, None),
     # A lone surrogate is valid JSON ("\\ud800") but no text: the tokenizer cannot take it.
     "not Unicode": ("POST", "/v1/completions", {"prompt": "hi \ud800"}, 400, None),
@@ -635,8 +676,8 @@ BAD_REQUESTS = {
 
 REFUSED_WITH_THEIR_OWN_WORDS = {
     "best_of": ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of is not supported by this server"),
-    "response_format": ("/v1/chat/completions", {"messages": QUESTION, "response_format": {"type": "json_object"}},
-                        "response_format is not supported by this server"),
+    "tools": ("/v1/chat/completions", {"messages": QUESTION, "tools": [{"type": "function"}]},
+              "tools is not supported by this server"),
     "prompt and messages": ("/tokenize", {"prompt": "hi", "messages": QUESTION},
                             "give exactly one of prompt and messages"),
 }

@@ -2,6 +2,7 @@
 validation, abort, finish reasons and chat."""
 
 import json
+import re
 import shutil
 from dataclasses import replace
 
@@ -19,7 +20,7 @@ from parity import (
     prefill_logits,
 )
 
-from liteinfer import LLM, RequestOutput, RequestOutputKind, SamplingParams
+from liteinfer import LLM, RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from liteinfer.engine import workers
 from liteinfer.engine.llm_engine import bad_words_token_ids
 
@@ -695,6 +696,93 @@ def test_llm_bad_words_are_never_generated(llm, greedy_ref):
     for params in (dict(temperature=0), dict(seed=5)):
         out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, bad_words=[word], **params))[0].outputs[0]
         assert first not in out.token_ids
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "pet": {"enum": ["cat", "dog"]}}}
+
+
+def is_person(text: str) -> bool:
+    person = json.loads(text)
+    return set(person) == {"name", "age", "pet"} and person["pet"] in ("cat", "dog") and isinstance(person["age"], int)
+
+
+CHOICES = ["yes", "no", 'a "quoted" maybe']
+FORMATS = {
+    # The random model would write whitespace without end where JSON allows it.
+    "json": (StructuredOutputsParams(json=PERSON, disable_any_whitespace=True), is_person),
+    "json_object": (StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+                    lambda text: isinstance(json.loads(text), dict)),
+    "regex": (StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"),
+              lambda text: re.fullmatch(r"[0-9]{3}-[a-z]{2}", text)),
+    "choice": (StructuredOutputsParams(choice=CHOICES), lambda text: text in CHOICES),
+    "grammar": (StructuredOutputsParams(grammar='start: item item "!"\nitem: "ab" | "c"'),
+                lambda text: re.fullmatch(r"(ab|c){2}!", text)),
+}
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_structured_outputs_keep_to_their_format_greedy_or_sampled(llm, name):
+    """The random model left alone writes nothing of the kind: every output here keeps to its format, ends with
+    EOS once the format is complete (finish_reason stop), and a plain request beside it is not touched."""
+    spec, keeps_format = FORMATS[name]
+    plain = greedy(llm, PROMPTS[1], max_tokens=8)
+    params = [SamplingParams(temperature=0, max_tokens=64, structured_outputs=spec),
+              SamplingParams(n=2, seed=1, max_tokens=64, structured_outputs=spec),
+              SamplingParams(temperature=0, max_tokens=8)]
+    outputs = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], params)
+    for sample in [*outputs[0].outputs, *outputs[1].outputs]:
+        assert keeps_format(sample.text), sample.text
+        assert (sample.finish_reason, sample.token_ids[-1]) == ("stop", llm.engine.eos_token_id)
+    assert outputs[2].outputs[0].token_ids == plain.token_ids
+    alone = llm.generate(PROMPTS[0], params[0])[0].outputs[0]
+    assert alone.token_ids == outputs[0].outputs[0].token_ids
+
+
+def test_structured_outputs_keep_their_tokens_under_preemption_and_chunked_prefill(tiny_llama_dir, llm):
+    """A preempted sequence's matcher keeps its place (its tokens stay; only their K/V is recomputed)."""
+    spec, keeps_format = FORMATS["json"]
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec)
+    expected = [out.outputs[0].token_ids for out in llm.generate(SHORT_PROMPTS, params)]
+    # 6 blocks of 16 tokens for eight sequences of ~30 tokens.
+    with LLM(str(tiny_llama_dir), dtype="float32", block_size=BLOCK_SIZE, max_model_len=64, num_kv_blocks=6,
+             max_num_batched_tokens=BLOCK_SIZE, long_prefill_token_threshold=BLOCK_SIZE // 2) as tight:
+        outputs = tight.generate(SHORT_PROMPTS, params)
+        assert sum(out.metrics.num_preemptions for out in outputs) > 0
+    assert [out.outputs[0].token_ids for out in outputs] == expected
+    assert all(keeps_format(out.outputs[0].text) for out in outputs if out.outputs[0].finish_reason == "stop")
+
+
+def test_a_request_left_no_token_to_sample_fails_alone(llm, greedy_ref):
+    """allowed_token_ids whose every token a bad word bans (or a format excludes): that request ends with an error
+    saying so, the others in its batch unharmed."""
+    token = greedy_ref.token_ids[0]
+    engine = llm.engine
+    engine.add_request("stuck", PROMPTS[1], SamplingParams(allowed_token_ids=[token], max_tokens=4,
+                                                            bad_words=[llm.get_tokenizer().decode([token])]))
+    engine.add_request("free", PROMPTS[1], SamplingParams(temperature=0, max_tokens=4))
+    finished = drain(engine)
+    assert finished["stuck"].outputs[0].finish_reason == "abort"
+    assert "no token is left to sample" in finished["stuck"].error
+    assert finished["free"].error is None and finished["free"].outputs[0].token_ids == greedy_ref.token_ids[:4]
+    assert all_blocks_free(llm)
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        (StructuredOutputsParams(regex="[a-"), "regex"),
+        (StructuredOutputsParams(json={"type": "nonsense"}), "nonsense"),
+        (StructuredOutputsParams(grammar="start: undefined_rule"), "undefined_rule"),
+    ],
+)
+def test_a_format_that_does_not_compile_is_refused_before_anything_is_queued(llm, spec, match):
+    with pytest.raises(ValueError, match=rf"structured_outputs: the format does not compile: .*{match}"):
+        llm.generate(["A good prompt first", "another"],
+                     [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, structured_outputs=spec)])
+    assert not llm.engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize(

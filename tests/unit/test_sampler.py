@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from liteinfer.sampling import Sampler, SamplerOutput, SamplingParams, SamplingRow
+from liteinfer.sampling import NO_TOKEN, Sampler, SamplerOutput, SamplingParams, SamplingRow
 from liteinfer.sampling.sampler import apply_min_p, apply_penalties, apply_top_k, apply_top_p
 
 EOS = 0
@@ -362,3 +362,14 @@ def test_takes_argmax_not_for_rows_whose_logits_a_request_edits():
     for params in edited:
         assert not Sampler.takes_argmax([make_row(temperature=0), make_row(temperature=0, **params)])
     assert not Sampler.takes_argmax([make_row(temperature=0), banned_row([], [[3]], temperature=0)])
+
+
+def test_a_row_whose_constraints_exclude_every_token_gets_no_token(sampler):
+    """Its request fails alone (the engine's): a greedy argmax would give token 0 and a draw any token, both outside
+    what the request allows."""
+    logits = torch.randn(3, 8)
+    rows = [banned_row([], [[3]], temperature=0, allowed_token_ids=[3], logprobs=1),
+            banned_row([], [[3]], allowed_token_ids=[3]),
+            banned_row([], [[3]], temperature=0, allowed_token_ids=[3, 5])]
+    out = sampler(logits, rows)
+    assert out.token_ids == [NO_TOKEN, NO_TOKEN, 5]

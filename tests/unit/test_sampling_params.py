@@ -1,6 +1,6 @@
 import pytest
 
-from liteinfer.sampling import RequestOutputKind, SamplingParams
+from liteinfer.sampling import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 def test_sampling_params_defaults_match_vllm():
@@ -52,6 +52,7 @@ def test_sampling_params_defaults_match_vllm():
         ({"allowed_token_ids": 3}, "allowed_token_ids"),
         ({"bad_words": [3]}, "bad_words"),
         ({"bad_words": ["ok", " "]}, "bad_words"),
+        ({"bad_words": ["bad \ud800"]}, "bad_words"),
     ],
 )
 def test_sampling_params_invalid_value_raises_value_error_naming_field(kwargs, field):
@@ -76,3 +77,29 @@ def test_sampling_params_logit_edits_normalised():
     p = SamplingParams(logit_bias={5: 2, 7: -1.5}, allowed_token_ids=(3, 1), bad_words="dog")
     assert p.logit_bias == {5: 2.0, 7: -1.5} and all(isinstance(v, float) for v in p.logit_bias.values())
     assert p.allowed_token_ids == [3, 1] and p.bad_words == ["dog"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"json": {"type": "object"}, "regex": "[0-9]+"},
+        {"json": "{not json"},
+        {"json": ["a list"]},
+        {"choice": []},
+        {"choice": ["a", 1]},
+        {"regex": 5},
+        {"json_object": "yes"},
+    ],
+)
+def test_structured_outputs_take_exactly_one_well_formed_format(options):
+    with pytest.raises(ValueError, match=r"^structured_outputs "):
+        StructuredOutputsParams(**options)
+
+
+def test_structured_outputs_json_text_is_parsed_and_params_hold_it():
+    spec = StructuredOutputsParams(json='{"type": "integer"}')
+    assert spec.json == {"type": "integer"}
+    assert SamplingParams(structured_outputs=spec).structured_outputs is spec
+    with pytest.raises(ValueError, match=r"^structured_outputs must be None or a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"json": {"type": "integer"}})

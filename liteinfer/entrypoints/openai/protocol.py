@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from typing import Any, ClassVar, Literal
 
@@ -9,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from liteinfer.engine.llm_engine import PromptType
 from liteinfer.engine.prompts import Message
-from liteinfer.sampling import SamplingParams
+from liteinfer.sampling import SamplingParams, StructuredOutputsParams
 
 # SamplingParams fields a request may set under the same name; None (or absent) leaves SamplingParams' default.
 _SAMPLING_FIELDS = (
@@ -42,6 +44,22 @@ class StreamOptions(OpenAIRequest):
     include_usage: bool = False
 
 
+class ResponseFormat(OpenAIRequest):
+    """OpenAI's: plain text, any JSON object, or JSON keeping to `json_schema["schema"]`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None  # {"name": ..., "schema": {...}, "strict": ...}
+
+    def structured_outputs(self) -> dict[str, Any] | None:
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            if not self.json_schema or not isinstance(self.json_schema.get("schema"), dict):
+                raise ValueError("response_format of type json_schema needs json_schema.schema, a JSON schema")
+            return {"json": self.json_schema["schema"]}
+        return None
+
+
 class SamplingRequest(OpenAIRequest):
     """What completions and chat share; top_k, min_p, repetition_penalty, min_tokens, ignore_eos, allowed_token_ids,
     bad_words, stop_token_ids, include_stop_str_in_output and skip_special_tokens are extras beyond OpenAI's set, with
@@ -71,6 +89,14 @@ class SamplingRequest(OpenAIRequest):
     # vLLM's extra: each prompt token's logprob and the top `prompt_logprobs` tokens at its position, in a whole
     # response (a completion's choices, a chat response's top level); streamed responses refuse it, as vLLM's do.
     prompt_logprobs: int | None = None
+    # A format the output keeps to: OpenAI's response_format, or vLLM's structured_outputs (StructuredOutputsParams'
+    # fields) and its older guided_json, guided_regex, guided_choice, guided_grammar.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None,
                         echo_logprobs: int | None = None) -> SamplingParams:
@@ -87,7 +113,24 @@ class SamplingRequest(OpenAIRequest):
         given["max_tokens"] = defaults.get("max_tokens") if max_tokens is None else max_tokens
         if self.logit_bias:
             given["logit_bias"] = self._logit_bias_by_token_id()
+        if (formats := self._structured_outputs()) is not None:
+            given["structured_outputs"] = formats
         return SamplingParams(**{**defaults, **given}, logprobs=logprobs, prompt_logprobs=max(asked, default=None))
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        guided = {name: getattr(self, f"guided_{name}") for name in ("json", "regex", "choice", "grammar")
+                  if getattr(self, f"guided_{name}") is not None}
+        asked = {"response_format": self.response_format and self.response_format.structured_outputs(),
+                 "structured_outputs": self.structured_outputs, "guided_*": guided}
+        asked = {source: fields for source, fields in asked.items() if fields}
+        if len(asked) > 1:
+            raise ValueError(f"structured_outputs: give the output's format once, got {', '.join(asked)}")
+        if not asked:
+            return None
+        fields = next(iter(asked.values()))
+        if unknown := set(fields) - {f.name for f in dataclasses.fields(StructuredOutputsParams)}:
+            raise ValueError(f"structured_outputs has no field {', '.join(sorted(unknown))}")
+        return StructuredOutputsParams(**fields)
 
     def _logit_bias_by_token_id(self) -> dict[int, float]:
         by_id = {}
@@ -96,6 +139,8 @@ class SamplingRequest(OpenAIRequest):
                 token_id = int(key)
             except ValueError:
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            if not math.isfinite(bias):  # JSON as Python reads it takes NaN and Infinity
+                raise ValueError(f"logit_bias values must be finite numbers, got {bias} for {key!r}")
             by_id[token_id] = min(_MAX_LOGIT_BIAS, max(-_MAX_LOGIT_BIAS, bias))
         return by_id
 
@@ -140,7 +185,7 @@ class ChatMessage(OpenAIRequest):
 
 class ChatCompletionRequest(SamplingRequest):
     unsupported: ClassVar[tuple[str, ...]] = (
-        "tools", "tool_choice", "functions", "function_call", "response_format", "audio",
+        "tools", "tool_choice", "functions", "function_call", "audio",
     )
 
     messages: list[ChatMessage] = Field(min_length=1)

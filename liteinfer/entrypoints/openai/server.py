@@ -517,7 +517,7 @@ def _user_errors(body: OpenAIRequest) -> Iterator[None]:
     except EngineOverloadedError as exc:
         raise APIError(503, str(exc)) from exc
     except ValueError as exc:  # a template's refusal included (engine/prompts.py: render_chat)
-        first_word = str(exc).split(" ", 1)[0]
+        first_word = str(exc).split(" ", 1)[0].rstrip(":")
         raise APIError(400, str(exc), param=first_word if first_word in type(body).model_fields else None) from exc
 
 
