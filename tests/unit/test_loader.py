@@ -1,14 +1,23 @@
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from liteinfer.config import DEFAULT_MODEL
+from liteinfer.layers import FULL, SLIDING
 from liteinfer.models.base import DecoderForCausalLM
-from liteinfer.models.loader import INDEX_FILE, _undo_rope_permutation, build_model, iter_checkpoint, load_weights
+from liteinfer.models.loader import (
+    INDEX_FILE,
+    _undo_rope_permutation,
+    build_model,
+    gguf_rope_scaling,
+    iter_checkpoint,
+    load_weights,
+)
 from liteinfer.models.source import ModelSource, resolve_model
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 16, 4, 2, 4
@@ -293,3 +302,31 @@ def test_build_model_liteinfer_llama_from_hf_checkpoint_matches(tmp_path, tied):
     assert torch.equal(params[attn + "qkv_proj.weight"], torch.cat(qkv))
     assert torch.equal(params["lm_head.weight"], expected["lm_head.weight"])
     assert (params["lm_head.weight"] is params["model.embed_tokens.weight"]) == tied
+
+
+def rope_metadata_gguf(path: Path, arch: str, **scaling) -> gguf.GGUFReader:
+    """A GGUF holding rope scaling metadata only (what `gguf_rope_scaling` reads)."""
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_rope_scaling_type(gguf.RopeScalingType(scaling["kind"]))
+    writer.add_rope_scaling_factor(scaling["factor"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf.GGUFReader(path)
+
+
+def test_gguf_rope_scaling_of_a_model_whose_layer_types_rotate_apart_is_the_full_attention_layers(tmp_path):
+    """Gemma 3's GGUFs: linear x8 in metadata, which llama.cpp applies to the global (full-attention) layers only."""
+    config = Gemma3TextConfig(num_hidden_layers=2, layer_types=[SLIDING, FULL])
+    local = dict(config.rope_parameters[SLIDING])
+    gguf_rope_scaling(rope_metadata_gguf(tmp_path / "g.gguf", "gemma3", kind="linear", factor=8.0), config)
+    assert config.rope_parameters[SLIDING] == local
+    assert config.rope_parameters[FULL]["rope_type"] == "linear" and config.rope_parameters[FULL]["factor"] == 8.0
+    assert "rope_theta" in config.rope_parameters[FULL]
+
+
+def test_gguf_rope_scaling_of_an_unknown_kind_is_refused(tmp_path):
+    reader = rope_metadata_gguf(tmp_path / "l.gguf", "llama", kind="longrope", factor=2.0)  # with no factor tensors
+    with pytest.raises(ValueError, match="rope scaling 'longrope' is not supported"):
+        gguf_rope_scaling(reader, LlamaConfig())

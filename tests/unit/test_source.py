@@ -1,5 +1,6 @@
 import importlib.util
 import json
+import os
 
 import huggingface_hub
 import pytest
@@ -76,7 +77,7 @@ def test_resolve_gguf_file_path_uses_conversion_cache(tmp_path, cache, conversio
 
     assert conversions == [ModelSource(str(gguf_path), tmp_path, "tiny.Q8_0.gguf")]
     assert source.gguf_file is None
-    assert source.path.name.startswith("tiny.Q8_0-4-")  # stem, size, mtime
+    assert source.path == gguf_cache_dir(gguf_path) and source.path.name.startswith("tiny.Q8_0-")
 
 
 @pytest.mark.parametrize("damage", ["empty", "header cut", "tensors cut", "not GGUF"])
@@ -100,6 +101,16 @@ def test_gguf_cache_dir_edited_file_gets_new_dir(tmp_path, cache):
     gguf_path.write_bytes(b"GGUF, edited")
 
     assert gguf_cache_dir(gguf_path) != before
+
+
+def test_gguf_cache_dir_tells_apart_files_of_one_name_size_and_time(tmp_path, cache):
+    """Two fine-tunes copied with their times (`cp -p`, rsync, tar) into directories of their own."""
+    first, second = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    for path, content in ((first, b"GGUF one"), (second, b"GGUF two")):
+        path.parent.mkdir()
+        path.write_bytes(content)
+        os.utime(path, ns=(1_700_000_000_000_000_000,) * 2)
+    assert gguf_cache_dir(first) != gguf_cache_dir(second)
 
 
 def test_resolve_local_dir_returns_it(tmp_path):
@@ -280,3 +291,13 @@ def test_sampling_defaults_refused_raise_naming_the_file(tmp_path, fields, choic
     write_generation_config(tmp_path, **fields)
     with pytest.raises(ValueError, match=match):
         sampling_defaults(ModelSource("m", tmp_path), choice)
+
+
+def test_a_conversion_removes_the_work_directories_of_dead_conversions_only(tmp_path):
+    """A conversion killed mid-way leaves its work directory behind; the next one deletes it, not a live one's."""
+    dead, alive = tmp_path / ".m-1.2000000000.x1", tmp_path / f".m-1.{os.getpid()}.x2"
+    for work in (dead, alive):
+        work.mkdir()
+        (work / "model-00001.safetensors").write_bytes(b"partial")
+    source_module._remove_abandoned_conversions(tmp_path)
+    assert not dead.exists() and alive.exists()
