@@ -104,8 +104,6 @@ def _resolve(name: str, revision: str | None, weights: bool) -> ModelSource:
 
 def load_config(source: ModelSource) -> PretrainedConfig:
     config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
-    if source.gguf_file is not None:
-        gguf_rope_scaling(read_gguf(source.path / source.gguf_file), config)
     if not config.architectures:
         # GGUF metadata names the model type but not the class; the model registry looks models up by class.
         arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
@@ -239,6 +237,7 @@ def convert_gguf(source: ModelSource, target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", dir=target.parent))
     try:
         config = load_config(source)
+        gguf_rope_scaling(reader, config)
         config.save_pretrained(tmp)
         load_tokenizer(source).save_pretrained(tmp)
         if len(end_ids := _end_of_generation_ids(reader)) > 1:
