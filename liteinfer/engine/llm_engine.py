@@ -379,7 +379,8 @@ class LLMEngine:
         if token == NO_TOKEN:
             raise ValueError("no token is left to sample: the request's allowed_token_ids, structured output format, "
                              "bad_words and min_tokens together exclude every one")
-        if seq.grammar is not None and not seq.grammar.consume_token(token):
+        # A matcher in error allows EOS and takes it: is_error, or the output would end "stop", cut short.
+        if seq.grammar is not None and (not seq.grammar.consume_token(token) or seq.grammar.is_error()):
             raise ValueError(f"token {token} breaks the structured output's format: {seq.grammar.get_error()}")
         seq.token_ids.append(token)
         request.metrics.first_token_time = request.metrics.first_token_time or time.monotonic()

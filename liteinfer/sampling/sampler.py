@@ -1,6 +1,6 @@
 """Turns one step's logits into next tokens and logprobs, with one tensor pipeline over the whole batch.
 
-Stages run in vLLM's order: raw logprobs -> allowed tokens, a structured output's format -> bad words, min_tokens ->
+Stages run in vLLM's order: a structured output's format -> raw logprobs -> allowed tokens -> bad words, min_tokens ->
 logit bias -> penalties -> greedy argmax, or temperature -> min_p -> top_k/top_p -> sampling. A stage that no row
 uses is skipped, and a stage that only some rows use runs on those rows alone.
 """
@@ -81,6 +81,13 @@ class Sampler:
         """The caller's logits are left untouched."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         params = [row.params for row in rows]
+        formatted = [i for i, row in enumerate(rows) if row.grammar is not None]
+        if formatted:
+            # As vLLM masks them before its sampler: a structured output's logprobs describe the format's
+            # distribution (a token it forces has logprob 0), its other edits' the model's.
+            logits = logits.to(torch.float32, copy=True)
+            keeps_format = allowed_tokens([rows[i].grammar for i in formatted], logits.shape[1]).to(logits.device)
+            logits = _update_rows(logits, formatted, lambda x: x.masked_fill_(~keeps_format, -float("inf")))
 
         # Logprobs describe the model's own distribution, so they come from the raw logits.
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -100,7 +107,7 @@ class Sampler:
             if plain:
                 tokens[plain] = argmax_rows(_take_rows(logits, plain))
             tokens[edited] = self._edited_tokens(_take_rows(logits, edited), [rows[i] for i in edited],
-                                                 owned=len(edited) < len(rows))
+                                                 owned=len(edited) < len(rows) or bool(formatted))
         token_ids = tokens.tolist()
         # Below min_tokens, a raw argmax stands unless it is a token the row may not sample yet (then a row masked
         # as `_edited_tokens` masks it decides): the masked argmax is the same token in every other case.
@@ -145,19 +152,15 @@ class Sampler:
         """Tokens of rows whose logits a request edits, or that sample. `owned`: `logits` is a copy, which the edits
         may change in place; otherwise it is the caller's, copied before they do."""
         allowed = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
-        formatted = [i for i, row in enumerate(rows) if row.grammar is not None]
         banned = [(i, token) for i, row in enumerate(rows) for token in self._banned_tokens(row)]
         biased = [(i, token, bias) for i, row in enumerate(rows) if row.params.logit_bias
                   for token, bias in row.params.logit_bias.items()]
         penalised = [i for i, row in enumerate(rows) if _uses_penalty(row.params)]
-        if allowed or formatted or banned or biased or penalised:
+        if allowed or banned or biased or penalised:
             logits = logits.to(torch.float32, copy=not owned)
         if allowed:
             allowed_ids = [rows[i].params.allowed_token_ids for i in allowed]
             logits = _update_rows(logits, allowed, lambda x: keep_only(x, allowed_ids))
-        if formatted:
-            keeps_format = allowed_tokens([rows[i].grammar for i in formatted], logits.shape[1]).to(logits.device)
-            logits = _update_rows(logits, formatted, lambda x: x.masked_fill_(~keeps_format, -float("inf")))
         if banned:
             row_idx, token_idx = zip(*banned, strict=True)
             logits[list(row_idx), list(token_idx)] = -float("inf")
@@ -175,6 +178,7 @@ class Sampler:
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if sampled:
             tokens[sampled] = _sample(_take_rows(logits, sampled), [rows[i] for i in sampled])
+        formatted = [i for i, row in enumerate(rows) if row.grammar is not None]  # masked in __call__
         constrained = sorted({*allowed, *formatted, *(i for i, _ in banned)})
         if constrained:
             left_nothing = torch.isneginf(_take_rows(logits, constrained)).all(-1).nonzero().flatten().tolist()

@@ -24,14 +24,14 @@ _COMPILED_FORMATS_KEPT = 64
 
 # The formats, and what each takes (for error messages).
 _EXPECTED = {"json": "a JSON schema (a dict or its text)", "json_object": "true", "regex": "a str",
-             "choice": "a non-empty list of str", "grammar": "a str (Lark)"}
+             "choice": "a non-empty list of str", "grammar": "a str (Lark or GBNF)"}
 
 
 @dataclass
 class StructuredOutputsParams:
     """vLLM's names: exactly one of `json` (a JSON schema, as a dict or its text), `json_object` (any JSON object),
-    `regex`, `choice` (one of these strings) and `grammar` (Lark, llguidance's dialect). JSON may have any whitespace
-    between its tokens (vLLM's default) unless `disable_any_whitespace`: then none."""
+    `regex`, `choice` (one of these strings) and `grammar` (Lark, llguidance's dialect, or GBNF). JSON may have any
+    whitespace between its tokens (vLLM's default) unless `disable_any_whitespace`: then none."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -75,7 +75,7 @@ class StructuredOutputsParams:
             return llguidance.LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:  # JSON string literals are Lark's too
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, self.choice)))
-        return llguidance.LLMatcher.grammar_from_lark(self.grammar)
+        return llguidance.grammar_from("grammar", self.grammar)  # Lark, or GBNF (llama.cpp's, vLLM's EBNF examples)
 
 
 class GrammarMatchers:

@@ -282,6 +282,19 @@ def test_structured_outputs_by_response_format_or_vllms_fields(client):
     assert re.match(r'\{\s*"shape"\s*:\s*"(circle|square)"', text), text
 
 
+def test_logprobs_of_tokens_a_format_excludes_go_out_as_vllms_floor(port):
+    """A format leaves most tokens -inf; JSON has no infinity, so they go out as -9999.0, as vLLM sends them."""
+    for path, body in (("/v1/chat/completions", {"messages": QUESTION, "logprobs": True, "top_logprobs": 5}),
+                       ("/v1/completions", {"prompt": PROMPTS[0], "logprobs": 5})):
+        status, response = request(port, "POST", path, {**body, "model": MODEL, "max_tokens": 4, "temperature": 0,
+                                                        "guided_choice": ["yes", "no"]})
+        assert status == 200, response
+        logprobs = response["choices"][0]["logprobs"]
+        values = ([top["logprob"] for item in logprobs["content"] for top in item["top_logprobs"]] if "content"
+                  in logprobs else [v for top in logprobs["top_logprobs"] for v in top.values()])
+        assert -9999.0 in values and min(values) == -9999.0
+
+
 def test_logit_bias_is_clamped_to_openais_range():
     body = ChatCompletionRequest(messages=QUESTION, logit_bias={"5": 1000.0, "6": -1e9, " 7": 0.5})
     assert body.sampling_params({}, 4, None).logit_bias == {5: 100.0, 6: -100.0, 7: 0.5}
@@ -660,6 +673,8 @@ BAD_REQUESTS = {
                                      "response_format"),
     "two formats": ("POST", "/v1/completions", {"prompt": "hi", "guided_regex": "a", "structured_outputs": {
         "regex": "b"}}, 400, "structured_outputs"),
+    "structured_outputs naming no format": ("POST", "/v1/completions", {"prompt": "hi", "structured_outputs": {}},
+                                            400, "structured_outputs"),
     "unknown structured_outputs field": ("POST", "/v1/completions", {"prompt": "hi", "structured_outputs": {
         "yaml": "x"}}, 400, "structured_outputs"),
     "bad token id": ("POST", "/detokenize", {"tokens": [-1]}, 400, None),

@@ -2,6 +2,7 @@
 validation, abort, finish reasons and chat."""
 
 import json
+import math
 import re
 import shutil
 from dataclasses import replace
@@ -720,6 +721,8 @@ FORMATS = {
     "choice": (StructuredOutputsParams(choice=CHOICES), lambda text: text in CHOICES),
     "grammar": (StructuredOutputsParams(grammar='start: item item "!"\nitem: "ab" | "c"'),
                 lambda text: re.fullmatch(r"(ab|c){2}!", text)),
+    "gbnf": (StructuredOutputsParams(grammar='root ::= item item "?"\nitem ::= "ab" | "c"'),  # llama.cpp's, vLLM's
+             lambda text: re.fullmatch(r"(ab|c){2}\?", text)),
 }
 
 
@@ -739,6 +742,20 @@ def test_structured_outputs_keep_to_their_format_greedy_or_sampled(llm, name):
     assert outputs[2].outputs[0].token_ids == plain.token_ids
     alone = llm.generate(PROMPTS[0], params[0])[0].outputs[0]
     assert alone.token_ids == outputs[0].outputs[0].token_ids
+
+
+def test_structured_outputs_logprobs_are_the_formats_distribution(llm):
+    """As vLLM's (its format masks the logits before its sampler): a token the format forces has logprob 0 and rank
+    1, and the top tokens are the format's, their probabilities summing to 1 where the format allows fewer than k."""
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=20, structured_outputs=FORMATS["choice"][0])
+    sample = llm.generate(PROMPTS[0], params)[0].outputs[0]
+    assert sample.token_ids[-1] == llm.engine.eos_token_id
+    end = sample.logprobs[-1][llm.engine.eos_token_id]
+    assert (end.logprob, end.rank) == (0.0, 1)
+    for token, position in zip(sample.token_ids, sample.logprobs, strict=True):
+        allowed = [lp.logprob for lp in position.values() if lp.logprob > -math.inf]
+        assert position[token].rank == 1 and len(allowed) < 20
+        assert sum(map(math.exp, allowed)) == pytest.approx(1.0, rel=1e-5)
 
 
 def test_structured_outputs_keep_their_tokens_under_preemption_and_chunked_prefill(tiny_llama_dir, llm):

@@ -118,11 +118,14 @@ class SamplingRequest(OpenAIRequest):
         return SamplingParams(**{**defaults, **given}, logprobs=logprobs, prompt_logprobs=max(asked, default=None))
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
-        guided = {name: getattr(self, f"guided_{name}") for name in ("json", "regex", "choice", "grammar")
-                  if getattr(self, f"guided_{name}") is not None}
-        asked = {"response_format": self.response_format and self.response_format.structured_outputs(),
-                 "structured_outputs": self.structured_outputs, "guided_*": guided}
-        asked = {source: fields for source, fields in asked.items() if fields}
+        asked = {}
+        if self.response_format is not None and (fields := self.response_format.structured_outputs()) is not None:
+            asked["response_format"] = fields
+        if self.structured_outputs is not None:  # {} too, which StructuredOutputsParams refuses
+            asked["structured_outputs"] = self.structured_outputs
+        if guided := {name: getattr(self, f"guided_{name}") for name in ("json", "regex", "choice", "grammar")
+                      if getattr(self, f"guided_{name}") is not None}:
+            asked["guided_*"] = guided
         if len(asked) > 1:
             raise ValueError(f"structured_outputs: give the output's format once, got {', '.join(asked)}")
         if not asked:

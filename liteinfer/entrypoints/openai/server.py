@@ -65,6 +65,8 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: 
                 503: "overloaded_error"}
 # nginx's "client closed request": nobody reads it, but logs tell it from a served request.
 _CLIENT_CLOSED_REQUEST = 499
+# The lowest logprob a response carries (vLLM's): a format's excluded tokens have -inf, which JSON cannot hold.
+_LOGPROB_FLOOR = -9999.0
 
 
 class APIError(Exception):
@@ -454,11 +456,16 @@ def _top(position: PositionLogprobs, k: int) -> list[Logprob]:
     return sorted(position.values(), key=lambda logprob: logprob.rank)[:k]
 
 
+def _on_the_wire(logprob: float) -> float:
+    """A logprob as JSON can carry it (see _LOGPROB_FLOOR)."""
+    return max(logprob, _LOGPROB_FLOOR)
+
+
 def _chosen_and_top(position: PositionLogprobs, token_id: int, k: int) -> dict[str, float]:
     """A legacy completion's top_logprobs at one position: the chosen token, then the top k (OpenAI's: "up to
     logprobs + 1 elements"), by their text."""
     chosen = position[token_id]
-    return {lp.decoded_token or "": lp.logprob for lp in [chosen, *_top(position, k)]}
+    return {lp.decoded_token or "": _on_the_wire(lp.logprob) for lp in [chosen, *_top(position, k)]}
 
 
 def _completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], k: int, offset: int,
@@ -497,7 +504,7 @@ def _prompt_logprobs(positions: list[PositionLogprobs | None], k: int,
 def _chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], k: int) -> ChatLogprobs:
     def fields(logprob: Logprob) -> dict:
         token = logprob.decoded_token or ""
-        return {"token": token, "logprob": logprob.logprob, "bytes": list(token.encode())}
+        return {"token": token, "logprob": _on_the_wire(logprob.logprob), "bytes": list(token.encode())}
 
     return ChatLogprobs(content=[
         TokenLogprob(**fields(position[token_id]), top_logprobs=[TopLogprob(**fields(lp)) for lp in _top(position, k)])
