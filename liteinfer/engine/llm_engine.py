@@ -61,6 +61,14 @@ def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
     return forms
 
 
+def truncated_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: as many as leave room in the context for one
+    generated token); the whole prompt for None."""
+    if keep is None:
+        return token_ids
+    return token_ids[-(max_model_len - 1 if keep == -1 else keep):]
+
+
 def whole_vocabulary_counted(params: SamplingParams, vocab_size: int) -> SamplingParams:
     """`params` with logprobs and prompt_logprobs of -1 (vLLM's "the whole vocabulary") as the vocabulary's size."""
     whole = {name: vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
@@ -256,6 +264,7 @@ class LLMEngine:
             raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("the prompt is empty")
+        token_ids = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "

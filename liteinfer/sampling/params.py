@@ -13,7 +13,7 @@ from liteinfer.sampling.structured import StructuredOutputsParams
 _GREEDY_TEMPERATURE = 1e-5
 
 _INT_FIELDS = ("n", "top_k", "min_tokens")
-_OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
+_OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -61,6 +61,8 @@ class SamplingParams:
     # Top logprobs at each prompt position besides the prompt's own next token (0: that token only; -1: all); the first
     # prompt token has none. Every prompt position is computed: the prefix cache is not looked up for the request.
     prompt_logprobs: int | None = None
+    # Keep only the prompt's last k tokens (vLLM's); -1: as many as leave room for one generated token.
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     # Edits of the logits before sampling (vLLM's names and order, after the raw logprobs are taken): only these
     # tokens may be sampled; the last token of a bad word is banned once the output ends with the rest of it (each word
@@ -161,6 +163,8 @@ class SamplingParams:
             value = getattr(self, name)
             _require(value is None or value >= -1, f"{name} must be None, >= 0, or -1 (the whole vocabulary), got "
                                                    f"{value}")
+        _require(self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
+                 f"truncate_prompt_tokens must be None, -1 or >= 1, got {self.truncate_prompt_tokens}")
         _require(all(self.stop), f"stop strings must be non-empty, got {self.stop!r}")
         _require(self.allowed_token_ids != [], "allowed_token_ids must not be empty (None allows every token)")
         _require(all(w.strip() for w in self.bad_words), f"bad_words must be words, not blank, got {self.bad_words!r}")

@@ -295,6 +295,15 @@ def test_logprobs_of_tokens_a_format_excludes_go_out_as_vllms_floor(port):
         assert -9999.0 in values and min(values) == -9999.0
 
 
+def test_truncate_prompt_tokens_with_echo_echoes_the_prompt_the_model_saw(client, sync_llm):
+    ids = sync_llm.tokenizer.encode(PROMPTS[0])
+    result = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0, echo=True,
+                                       logprobs=0, extra_body={"truncate_prompt_tokens": 3})
+    expected = sync_llm.generate({"prompt_token_ids": ids[-3:]}, SamplingParams(temperature=0, max_tokens=2))[0]
+    assert result.choices[0].text == sync_llm.tokenizer.decode(ids[-3:]) + expected.outputs[0].text
+    assert len(result.choices[0].logprobs.tokens) == 3 + 2 and result.usage.prompt_tokens == 3
+
+
 def test_logit_bias_is_clamped_to_openais_range():
     body = ChatCompletionRequest(messages=QUESTION, logit_bias={"5": 1000.0, "6": -1e9, " 7": 0.5})
     assert body.sampling_params({}, 4, None).logit_bias == {5: 100.0, 6: -100.0, 7: 0.5}

@@ -405,6 +405,20 @@ def test_llm_generate_bad_prompt_raises_valueerror_and_queues_nothing(llm, promp
     assert "bad" not in llm.engine.requests
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    """vLLM's truncate_prompt_tokens: the last k tokens, as if they were the prompt; -1: as many as the context takes
+    with room for one generated token (a prompt that would not fit then runs)."""
+    ids = llm.get_tokenizer().encode(PROMPTS[2])
+    params = dict(temperature=0, max_tokens=4)
+    truncated = llm.generate(PROMPTS[2], SamplingParams(truncate_prompt_tokens=5, **params))[0]
+    tail = llm.generate({"prompt_token_ids": ids[-5:]}, SamplingParams(**params))[0]
+    assert truncated.prompt_token_ids == ids[-5:] and truncated.prompt == PROMPTS[2]
+    assert truncated.outputs[0].token_ids == tail.outputs[0].token_ids
+    long = {"prompt_token_ids": [5] * 600}
+    out = llm.generate(long, SamplingParams(truncate_prompt_tokens=-1, max_tokens=2))[0]
+    assert len(out.prompt_token_ids) == llm.engine.max_model_len - 1 and len(out.outputs[0].token_ids) == 1
+
+
 def test_logprobs_beyond_max_logprobs_are_refused(llm, tiny_llama_dir):
     """As vLLM: a request may ask for at most max_logprobs top tokens (20 unless the engine is told otherwise)."""
     assert llm.engine.config.max_logprobs == 20

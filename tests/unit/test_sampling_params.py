@@ -53,6 +53,8 @@ def test_sampling_params_defaults_match_vllm():
         ({"bad_words": [3]}, "bad_words"),
         ({"bad_words": ["ok", " "]}, "bad_words"),
         ({"bad_words": ["bad \ud800"]}, "bad_words"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ],
 )
 def test_sampling_params_invalid_value_raises_value_error_naming_field(kwargs, field):

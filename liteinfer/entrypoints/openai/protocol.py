@@ -17,7 +17,7 @@ from liteinfer.sampling import SamplingParams, StructuredOutputsParams
 _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "allowed_token_ids", "bad_words",
-    "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+    "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
 )
 # OpenAI's range for a logit bias; vLLM clamps a larger one into it.
 _MAX_LOGIT_BIAS = 100.0
@@ -62,8 +62,8 @@ class ResponseFormat(OpenAIRequest):
 
 class SamplingRequest(OpenAIRequest):
     """What completions and chat share; top_k, min_p, repetition_penalty, min_tokens, ignore_eos, allowed_token_ids,
-    bad_words, stop_token_ids, include_stop_str_in_output and skip_special_tokens are extras beyond OpenAI's set, with
-    vLLM's names."""
+    bad_words, stop_token_ids, include_stop_str_in_output, skip_special_tokens and truncate_prompt_tokens are extras
+    beyond OpenAI's set, with vLLM's names."""
 
     model: str | None = None
     n: int | None = None
@@ -86,6 +86,7 @@ class SamplingRequest(OpenAIRequest):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
     # vLLM's extra: each prompt token's logprob and the top `prompt_logprobs` tokens at its position, in a whole
     # response (a completion's choices, a chat response's top level); streamed responses refuse it, as vLLM's do.
     prompt_logprobs: int | None = None

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 
 from liteinfer import __version__
 from liteinfer.engine.async_llm import AsyncLLM, EngineOverloadedError, StreamEvent
-from liteinfer.engine.llm_engine import PromptType
+from liteinfer.engine.llm_engine import PromptType, truncated_prompt
 from liteinfer.engine.workers import freeze_startup_objects
 from liteinfer.entrypoints.openai.metrics import ServerMetrics
 from liteinfer.entrypoints.openai.protocol import (
@@ -193,7 +193,8 @@ class OpenAIServer:
             params = body.sampling_params(self.llm.engine.sampling_defaults, max_tokens, num_top,
                                           num_top if body.echo else None)
             prompts = body.prompts()
-            echoes = [await self._echo(prompt) for prompt in prompts] if body.echo else None
+            keep = params.truncate_prompt_tokens
+            echoes = [await self._echo(prompt, keep) for prompt in prompts] if body.echo else None
         if echoes is not None:  # tokenized already: the engine takes the ids
             prompts = [{"prompt": prompt if isinstance(prompt, str) else None, "prompt_token_ids": echo.token_ids}
                        for prompt, echo in zip(prompts, echoes, strict=True)]
@@ -247,14 +248,13 @@ class OpenAIServer:
                    for i, s in enumerate(samples)]
         return JSONResponse(batch.completion(choices=choices, usage=batch.usage.total()).model_dump())
 
-    async def _echo(self, prompt: PromptType) -> _Echo:
-        """What an echoing completion puts first: the prompt's text (a token prompt's decoded), and its tokens."""
-        if isinstance(prompt, str):
-            text, token_ids = prompt, await self.llm.tokenize(prompt)
-        else:
-            token_ids = prompt["prompt_token_ids"]
-            text = await self.llm.detokenize(token_ids)
-        return _Echo(text, token_ids, await self.llm.detokenize(token_ids[:1]))
+    async def _echo(self, prompt: PromptType, keep: int | None) -> _Echo:
+        """What an echoing completion puts first: the prompt's text (a token prompt's, or a truncated one's, decoded),
+        and its tokens (the last `keep`: truncate_prompt_tokens)."""
+        token_ids = await self.llm.tokenize(prompt) if isinstance(prompt, str) else prompt["prompt_token_ids"]
+        kept = truncated_prompt(token_ids, keep, self.llm.engine.max_model_len)
+        text = prompt if isinstance(prompt, str) and kept == token_ids else await self.llm.detokenize(kept)
+        return _Echo(text, kept, await self.llm.detokenize(kept[:1]))
 
     # ----------------------------------------------------------------------------------------------------------
     # Chat completions
