@@ -89,7 +89,8 @@ class Sampler:
             keeps_format = allowed_tokens([rows[i].grammar for i in formatted], logits.shape[1]).to(logits.device)
             logits = _update_rows(logits, formatted, lambda x: x.masked_fill_(~keeps_format, -float("inf")))
 
-        # Logprobs describe the model's own distribution, so they come from the raw logits.
+        # Logprobs describe the model's own distribution (a structured output's: the format's), so they come from the
+        # logits before any other edit.
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = None
         if logprob_rows:
