@@ -94,10 +94,10 @@ def _resolve(name: str, revision: str | None, weights: bool) -> ModelSource:
             safetensors_files(path)  # fail now, not after the config and tokenizer have loaded
         return ModelSource(name, path)
     if path.is_file():
-        if path.suffix != ".gguf":
+        if path.suffix.lower() != ".gguf":
             raise ValueError(f"{name}: expected a model directory or a .gguf file")
         return _from_gguf(name, path)
-    if name.startswith(("/", ".", "~")) or name.endswith(".gguf"):
+    if name.startswith(("/", ".", "~")) or name.lower().endswith(".gguf"):
         raise FileNotFoundError(f"{'model' if weights else 'tokenizer'} path not found: {name}")
     return _from_hub(name, revision, weights)
 

@@ -150,6 +150,14 @@ def test_resolve_sharded_dir_with_missing_shard_raises_naming_it(tmp_path):
         resolve_model(str(tmp_path))
 
 
+def test_resolve_gguf_suffix_in_any_case_is_a_gguf_file(tmp_path, cache, conversions):
+    gguf_path = tmp_path / "Model.Q8_0.GGUF"
+    gguf_path.write_bytes(b"GGUF")
+    assert resolve_model(str(gguf_path)).path == gguf_cache_dir(gguf_path)
+    with pytest.raises(FileNotFoundError, match="model path not found: absent.GGUF"):
+        resolve_model("absent.GGUF")  # not a Hub id
+
+
 def test_resolve_other_file_raises(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"x")
 
