@@ -50,6 +50,9 @@ class StructuredOutputsParams:
                 self.json = json.loads(self.json)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"structured_outputs json is not valid JSON: {exc}") from None
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"structured_outputs disable_any_whitespace must be a bool, got "
+                             f"{self.disable_any_whitespace!r}")
         choice = self.choice
         checks = {
             "json": isinstance(self.json, dict),
@@ -59,9 +62,6 @@ class StructuredOutputsParams:
             "grammar": isinstance(self.grammar, str),
         }
         name = given[0]
-        if not isinstance(self.disable_any_whitespace, bool):
-            raise ValueError(f"structured_outputs disable_any_whitespace must be a bool, got "
-                             f"{self.disable_any_whitespace!r}")
         if not checks[name]:
             raise ValueError(f"structured_outputs {name} must be {_EXPECTED[name]}, got {getattr(self, name)!r}")
 
