@@ -7,7 +7,7 @@ blocks), `cache` (the paged KV cache), `sampling` (sampling parameters and the s
 line, OpenAI-compatible server).
 """
 
-from liteinfer.config import EngineConfig
+from liteinfer.config import EngineConfig, SpeculativeConfig
 from liteinfer.engine import AsyncLLM, LLMEngine
 from liteinfer.llm import LLM
 from liteinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -26,5 +26,6 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "SpeculativeConfig",
     "StructuredOutputsParams",
 ]

@@ -3,13 +3,60 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup (vLLM's `method="ngram"`): each decode step also computes up to
+    `num_speculative_tokens` draft tokens, copied from what followed the latest earlier occurrence of the sequence's
+    last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`), and keeps those the model would have
+    sampled itself (engine/speculative.py). As in vLLM, a bound left out takes the other's value, and both 5 when
+    neither is given."""
+
+    num_speculative_tokens: int
+    method: Literal["ngram"] = "ngram"
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config's method must be 'ngram' (prompt lookup; no draft model yet), got "
+                             f"{self.method!r}")
+        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
+            self.prompt_lookup_max = self.prompt_lookup_min = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config's {name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config's prompt_lookup_min ({self.prompt_lookup_min}) must not exceed its "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | dict[str, Any]) -> SpeculativeConfig:
+        """A SpeculativeConfig from itself or, as vLLM's `speculative_config` takes it, a dict of its fields."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict of its fields or a SpeculativeConfig, got {value!r}")
+        if unknown := sorted(set(value) - {f.name for f in fields(cls)}):
+            raise ValueError(f"speculative_config has no field {', '.join(unknown)}; its fields: "
+                             f"{', '.join(f.name for f in fields(cls))}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens, the most draft tokens a step computes "
+                             "per sequence")
+        return cls(**value)
 
 
 @dataclass
@@ -63,6 +110,9 @@ class EngineConfig:
     # Engine replicas, each of tensor_parallel_size ranks, run as Ray actors; requests go to the least loaded.
     data_parallel_size: int = 1
     ray_address: str | None = None  # the Ray cluster the replicas join; None starts a local one
+    # Speculative decoding: None (off), or a SpeculativeConfig or a dict of its fields (vLLM's form,
+    # {"method": "ngram", "num_speculative_tokens": 3}), made a SpeculativeConfig here.
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         def require(ok: bool, field: str, why: str) -> None:
@@ -116,6 +166,8 @@ class EngineConfig:
         require(self.ray_address is None or isinstance(self.ray_address, str), "ray_address",
                 "must be a Ray address string or None")
         require(isinstance(self.enforce_eager, bool), "enforce_eager", "must be a bool")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         require(self.enforce_eager or self.tensor_parallel_size == 1, "enforce_eager",
                 "must be True with tensor_parallel_size > 1 (the compiled decode step is single-rank so far)")
 
@@ -126,6 +178,11 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; valid options: {sorted(known)}")
         return cls(model=model or DEFAULT_MODEL, **kwargs)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Draft tokens a decode step may compute per sequence (0: no speculative decoding)."""
+        return 0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens
 
     @property
     def chunked_prefill(self) -> bool:

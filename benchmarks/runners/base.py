@@ -25,7 +25,8 @@ TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 @dataclass(frozen=True)
 class EngineSpec:
     """`ENGINE:PRECISION[:OPTION...]`, e.g. `liteinfer:bf16`, `transformers:bf16:32` (batch width 32),
-    `liteinfer:fp32:scheduler=static:max_num_seqs=8` (any `key=value` goes to the engine's own configuration).
+    `liteinfer:fp32:scheduler=static:max_num_seqs=8` (any `key=value` goes to the engine's own configuration; a dotted
+    key, a field of an option that takes a dict: `speculative_config.num_speculative_tokens=4`).
     Its name, the spec with `-` for `:`, labels its rows and is what `--compare` refers to."""
 
     engine: str
@@ -51,7 +52,13 @@ class EngineSpec:
                 options["batch"] = int(item)
             elif "=" in item:
                 key, value = item.split("=", 1)
-                options[key] = _parse_value(value)
+                # A dotted key sets a field of an option that takes a dict (JSON's colons would split the spec):
+                # speculative_config.num_speculative_tokens=4.
+                *outer, key = key.split(".")
+                target = options
+                for name in outer:
+                    target = target.setdefault(name, {})
+                target[key] = _parse_value(value)
             else:
                 raise ValueError(f"{text!r}: {item!r} is neither a batch width nor key=value")
         precision = precision.lower()

@@ -39,7 +39,8 @@ class EngineOverloadedError(RuntimeError):
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """One sample's progress: sent for every new token, and once more if it ends without one (abort)."""
+    """One sample's progress: sent for every step that gives it a new token (with speculative decoding, the tokens
+    that step kept: one or more), and once more if it ends without one (abort)."""
 
     request_id: str
     index: int  # which of the request's n samples
@@ -162,7 +163,8 @@ class AsyncLLM:
     async def stream(
         self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[StreamEvent]:
-        """`async for event in llm.stream(prompt, params)`: one `StreamEvent` per new token of each sample."""
+        """`async for event in llm.stream(prompt, params)`: one `StreamEvent` per new token of each sample (per step
+        with speculative decoding, which may keep several)."""
         events = await self.submit([prompt], sampling_params, None if request_id is None else [request_id])
         async with aclosing(events):
             async for event in events:

@@ -177,7 +177,8 @@ class DataParallelEngine:
         return EngineStats(sum(s.num_running_seqs for s in live), sum(s.num_waiting_seqs for s in live),
                            sum(s.kv_cache_usage for s in live) / len(live),
                            sum(s.prefix_cache_queried_tokens for s in live),
-                           sum(s.prefix_cache_hit_tokens for s in live))
+                           sum(s.prefix_cache_hit_tokens for s in live), sum(s.spec_draft_tokens for s in live),
+                           sum(s.spec_accepted_tokens for s in live))
 
     # The loop --------------------------------------------------------------------------------------------------
 

@@ -14,10 +14,11 @@ from liteinfer.config import EngineConfig
 from liteinfer.distributed import TensorParallelGroup
 from liteinfer.engine.compiled import CompiledDecoder
 from liteinfer.engine.detokenizer import IncrementalDetokenizer
-from liteinfer.engine.model_runner import ModelRunner
+from liteinfer.engine.model_runner import ModelRunner, StepResult
 from liteinfer.engine.packaged import PackagedDecoder
-from liteinfer.engine.scheduler import Scheduler, StaticScheduler
+from liteinfer.engine.scheduler import ScheduledBatch, Scheduler, StaticScheduler
 from liteinfer.engine.sequence import Request, Sequence
+from liteinfer.engine.speculative import num_accepted, propose_ngram
 from liteinfer.engine.workers import ShardSpec, WorkerPool, pack_weights, weights_left_for_onednn
 from liteinfer.layers.rotary import positions_served
 from liteinfer.models.source import (
@@ -84,11 +85,18 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # share of KV blocks in use, 0..1
     prefix_cache_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache so far
     prefix_cache_hit_tokens: int = 0  # of those, the ones found there
+    spec_draft_tokens: int = 0  # speculative decoding's draft tokens computed so far
+    spec_accepted_tokens: int = 0  # of those, the ones kept
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         queried = self.prefix_cache_queried_tokens
         return self.prefix_cache_hit_tokens / queried if queried else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Share of the draft tokens computed that were kept."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
 
 class LLMEngine:
@@ -154,7 +162,9 @@ class LLMEngine:
             if self.device.type == "cpu" and not weights_left_for_onednn(model):
                 compiled = PackagedDecoder(model, self.kv_cache, self.hf_config)
             else:
-                compiled = CompiledDecoder(model, self.kv_cache, config.max_num_seqs, self.max_blocks_per_seq)
+                # A decode step's rows: each sequence's token and its drafts.
+                max_rows = config.max_num_seqs * (1 + config.num_speculative_tokens)
+                compiled = CompiledDecoder(model, self.kv_cache, max_rows, self.max_blocks_per_seq)
             compiled.warm_up(self.device)
             # torch.compile's graphs hold inductor's own prepacked copies of the weights left for oneDNN; eager
             # (prefill) steps get theirs now. (The packages' form has none left.)
@@ -162,6 +172,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, Sampler(self.eos_token_ids), config.block_size, self.device, self.workers,
                                   compiled)
         self.requests: dict[str, Request] = {}
+        self.num_draft_tokens = 0  # speculative decoding's drafts computed so far, and how many of them were kept
+        self.num_accepted_tokens = 0
 
     def _resolve_max_model_len(self) -> int:
         limit = positions_served(self.hf_config)
@@ -295,7 +307,7 @@ class LLMEngine:
                     self.tokenizer, token_ids, params.skip_special_tokens, params.stop,
                     params.include_stop_str_in_output, params.min_tokens,
                 ),
-                generator=self._generator(params.seed, index),
+                seed=None if params.seed is None else hash((params.seed, index)),  # samples differ, runs repeat
                 bad_words_token_ids=bad_words,
                 grammar=None if params.structured_outputs is None else self.grammars.matcher(params.structured_outputs),
                 prompt_logprobs=[None] if params.prompt_logprobs is not None and index == 0 else None,
@@ -310,12 +322,6 @@ class LLMEngine:
     def default_sampling_params(self) -> SamplingParams:
         """What a request without SamplingParams samples with (`EngineConfig.generation_config`)."""
         return SamplingParams(**self.sampling_defaults)
-
-    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
-        if seed is None:
-            return None
-        # Each sample of a seeded request gets its own stream, so samples differ yet every run repeats.
-        return torch.Generator(self.device).manual_seed(hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (None if it is unknown)."""
@@ -336,7 +342,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
         return EngineStats(len(scheduler.running), len(scheduler.waiting), self.block_manager.usage,
-                           scheduler.prefix_queried_tokens, scheduler.prefix_hit_tokens)
+                           scheduler.prefix_queried_tokens, scheduler.prefix_hit_tokens, self.num_draft_tokens,
+                           self.num_accepted_tokens)
 
     # ----------------------------------------------------------------------------------------------------------
     # The loop
@@ -354,25 +361,36 @@ class LLMEngine:
             metrics = self.requests[seq.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
         result = self.runner.execute(batch)
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+        kept_rows = self._kept_rows(batch, result)
+        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            # Of its drafts, the K/V of those kept hold the tokens they are; the others' slots are written over later.
+            kept_drafts = seq.spec_token_ids[: len(kept_rows.get(i, ())) - 1]
+            num_new -= len(seq.spec_token_ids) - len(kept_drafts)
+            self.num_draft_tokens += len(seq.spec_token_ids)
+            self.num_accepted_tokens += len(kept_drafts)
             start, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            self.block_manager.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, start, start + num_new)
+            self.block_manager.cache_blocks(seq.block_table, seq.token_ids + kept_drafts if kept_drafts else
+                                            seq.token_ids, seq.block_hashes, start, start + num_new)
+            seq.spec_token_ids = []
         for i, positions in result.prompt_logprobs.items():
             batch.seqs[i].prompt_logprobs += map(self._with_text, positions)
 
         updated: dict[str, Request] = {}
-        for row, i in enumerate(result.sampled_seqs):
+        for i, rows in kept_rows.items():
             seq = batch.seqs[i]
-            request = self.requests.get(seq.request_id)
-            if request is None:  # failed earlier in this loop and was aborted
-                continue
-            try:
-                self._append_token(request, seq, result.sampled, row)
-            except Exception as exc:  # one request's failure must not take the others down
-                logger.exception("request %s failed", request.request_id)
-                request.error = f"{type(exc).__name__}: {exc}"
-                self.abort_request(request.request_id)
-            updated[request.request_id] = request
+            for row in rows:
+                request = self.requests.get(seq.request_id)
+                if request is None or seq.is_finished:  # failed earlier in this loop and was aborted, or has ended
+                    break
+                try:
+                    self._append_token(request, seq, result.sampled, row)
+                except Exception as exc:  # one request's failure must not take the others down
+                    logger.exception("request %s failed", request.request_id)
+                    request.error = f"{type(exc).__name__}: {exc}"
+                    self.abort_request(request.request_id)
+                updated[request.request_id] = request
+        if self.config.speculative_config is not None:
+            self._propose_drafts(batch.seqs)
         outputs = []
         for request in updated.values():
             if request.is_finished:
@@ -382,6 +400,29 @@ class LLMEngine:
                 continue
             outputs.append(request.to_output(delta=request.params.output_kind is RequestOutputKind.DELTA))
         return outputs
+
+    @staticmethod
+    def _kept_rows(batch: ScheduledBatch, result: StepResult) -> dict[int, list[int]]:
+        """The sampled rows whose tokens each sequence keeps, by batch position, in the order of the rows: its one
+        row, or with drafts the rows up to the first whose token differs from its draft (engine/speculative.py)."""
+        rows: dict[int, list[int]] = {}
+        for row, i in enumerate(result.sampled_seqs):
+            rows.setdefault(i, []).append(row)
+        for i, seq_rows in rows.items():
+            if drafts := batch.seqs[i].spec_token_ids:
+                sampled = [result.sampled.token_ids[row] for row in seq_rows]
+                del seq_rows[num_accepted(drafts, sampled) + 1 :]
+        return rows
+
+    def _propose_drafts(self, seqs: list[Sequence]) -> None:
+        """Draft tokens for the sequences that go on decoding: never past their last position (max_tokens, which
+        the context holds); none for a structured output, whose format's matcher advances only on kept tokens."""
+        spec = self.config.speculative_config
+        for seq in seqs:
+            if seq.is_finished or seq.grammar is not None or seq.num_computed_tokens != seq.num_tokens - 1:
+                continue
+            room = min(spec.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1)
+            seq.spec_token_ids = propose_ngram(seq.token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _append_token(self, request: Request, seq: Sequence, out: SamplerOutput, row: int) -> None:
         token = out.token_ids[row]

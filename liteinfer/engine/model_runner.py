@@ -46,12 +46,15 @@ class ModelRunner:
         """
         input_ids, meta, sampling, scored = self._prepare(batch)
         score_rows = [row for _, first_row, positions in scored for row in range(first_row, first_row + len(positions))]
-        logit_rows = torch.tensor([row for _, row in sampling] + score_rows, dtype=torch.long, device=self.device)
+        logit_rows = torch.tensor([row for _, row, _ in sampling] + score_rows, dtype=torch.long, device=self.device)
         step = StepInputs(input_ids, meta, logit_rows, len(sampling))
-        seqs = [batch.seqs[i] for i, _ in sampling]
-        rows = [SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator, seq.bad_words_token_ids,
-                            seq.grammar) for seq in seqs]
-        result = StepResult([i for i, _ in sampling])
+        rows = []
+        for i, _, drafts in sampling:  # a draft's row samples as if the drafts before it were output already
+            seq = batch.seqs[i]
+            token_ids = seq.token_ids + seq.spec_token_ids[:drafts] if drafts else seq.token_ids
+            rows.append(SamplingRow(seq.params, token_ids, seq.num_prompt_tokens, seq.seed,
+                                    seq.bad_words_token_ids, seq.grammar))
+        result = StepResult([i for i, _, _ in sampling])
         try:
             if self.workers is not None:
                 self.workers.send(step)
@@ -115,9 +118,12 @@ class ModelRunner:
         sequence in a step, each reading the keys up to its own position (this step writes them before attention
         reads): else the preempted sequence would continue from other K/V than it had.
 
-        Returns the input ids, the attention metadata (positions included), (batch position, row of its last token)
-        of each sequence that samples this step, in row order, and (batch position, row of the first, positions) of
-        the prompt positions scored this step (`Sequence.prompt_positions_to_score`).
+        A sequence's draft tokens (speculative decoding) follow its last token as decodes, and each of these rows
+        samples: the token after the last one, then after each draft.
+
+        Returns the input ids, the attention metadata (positions included), (batch position, row, drafts before it)
+        of each row that samples this step, in row order, and (batch position, row of the first, positions) of the
+        prompt positions scored this step (`Sequence.prompt_positions_to_score`).
         """
         device, block_size = self.device, self.block_size
         # Built as Python lists, turned into tensors once: each torch op on a tiny tensor costs microseconds, several
@@ -129,13 +135,15 @@ class ModelRunner:
         slot_offsets: list[int] = []
         decode_tables: list[list[int]] = []
         prefills: list[PrefillSpan] = []
-        sampling: list[tuple[int, int]] = []
+        sampling: list[tuple[int, int, int]] = []
         scored: list[tuple[int, int, range]] = []
 
         def lay(seq: Sequence, start: int, end: int) -> int:
             """Append the rows of positions [start, end) of `seq`; returns the first one's row."""
             row = len(tokens)
             tokens.extend(seq.token_ids[start:end])
+            if end > seq.num_tokens:  # its drafts, after its tokens
+                tokens.extend(seq.spec_token_ids[: end - seq.num_tokens])
             positions.extend(range(start, end))
             blocks, offsets = cache_slots(seq.block_table, start, end, block_size)
             slot_blocks.extend(blocks)
@@ -146,19 +154,20 @@ class ModelRunner:
         for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + count
             split = min(max(seq.num_prompt_tokens, start), end)  # [start, split) are prompt tokens, the rest generated
-            samples = end == seq.num_tokens
+            drafts = len(seq.spec_token_ids)  # (the scheduler keeps only those this step computes)
+            samples = end == seq.num_tokens + drafts
             if split < end:
                 row = lay(seq, split, end)
                 decode_tables.extend([seq.block_table] * (end - split))
                 if samples:
-                    sampling.append((i, row + end - split - 1))
+                    sampling += [(i, row + end - split - 1 - drafts + j, j) for j in range(drafts + 1)]
             if start < split:
                 spans.append((i, seq, start, split, samples and split == end))
         for i, seq, start, split, samples in spans:
             row = lay(seq, start, split)
             prefills.append(PrefillSpan(row, row + split - start, seq.block_table, split))
             if samples:
-                sampling.append((i, row + split - start - 1))
+                sampling.append((i, row + split - start - 1, 0))
             if to_score := seq.prompt_positions_to_score(start, split):
                 scored.append((i, row + to_score.start - start, to_score))
         # Padding is block 0, masked out by position.
@@ -178,7 +187,7 @@ class ModelRunner:
 class StepResult:
     """What one step gives the engine, by batch position."""
 
-    sampled_seqs: list[int]  # the sequences that sampled, in the order of `sampled`'s rows
+    sampled_seqs: list[int]  # the sequence of each of `sampled`'s rows (one with drafts has one more row each)
     sampled: SamplerOutput | None = None
     prompt_logprobs: dict[int, list[PositionLogprobs]] = field(default_factory=dict)  # of those scoring their prompt
 

@@ -78,10 +78,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = self._chunk(seq, budget)
-            if self.waiting and num_new > 1:  # a prefill in progress leaves room for newcomers
+            if self.waiting and num_new > 1 and not seq.spec_token_ids:  # a prefill in progress leaves room
                 num_new = min(num_new, self.long_prefill_token_threshold)
             if num_new == 0:
                 break
+            # Drafts take free blocks only: never a waiting sample's, never a running sequence's by preemption.
+            if seq.spec_token_ids and not self.block_manager.allocate(seq.block_table,
+                                                                      seq.num_computed_tokens + num_new):
+                num_new -= len(seq.spec_token_ids)
+                seq.spec_token_ids.clear()
             if self._grow_or_preempt(seq, num_new, batch):
                 batch.add(seq, num_new)
                 budget -= num_new
@@ -101,8 +106,12 @@ class Scheduler:
         return True
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        """How many of `seq`'s uncomputed tokens fit this step (0: none can)."""
+        """How many of `seq`'s uncomputed tokens fit this step (0: none can). A decode's drafts are cut to what fits
+        beside its token; any other step drops them (a prefill, a recompute after a preemption)."""
         num_new = seq.num_tokens - seq.num_computed_tokens
+        if seq.spec_token_ids:
+            del seq.spec_token_ids[budget - 1 if num_new == 1 else 0 :]
+            num_new += len(seq.spec_token_ids)
         if num_new <= budget:
             return num_new
         return budget if self.enable_chunked_prefill else 0
@@ -175,8 +184,8 @@ class StaticScheduler(Scheduler):
         if not self.running:
             self._admit_batch(batch)
             return batch
-        for seq in self.running:
-            batch.add(seq, seq.num_tokens - seq.num_computed_tokens)
+        for seq in self.running:  # (its blocks last its lifetime: drafts never pass its last position)
+            batch.add(seq, seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens)
         return batch
 
     def _admit_batch(self, batch: ScheduledBatch) -> None:

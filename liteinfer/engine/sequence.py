@@ -6,7 +6,6 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-import torch
 from llguidance import LLMatcher
 
 from liteinfer.engine.detokenizer import IncrementalDetokenizer
@@ -39,12 +38,15 @@ class Sequence:
     params: SamplingParams
     max_tokens: int
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None = None
+    seed: int | None = None  # a seeded request's, this sample's own (the sampler's `SamplingRow.seed`)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words tokenized (the sampler's)
     grammar: LLMatcher | None = None  # params.structured_outputs' matcher, fed each appended token
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
+    # Draft tokens after token_ids (speculative decoding, engine/speculative.py): proposed after a step, cut by the
+    # scheduler to those the next step computes, which then samples a token after each.
+    spec_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash of each full block, in order
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first admission

@@ -139,7 +139,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     options = dict(dtype=args.dtype, device=args.device)
     for name in ("revision", "tokenizer", "tokenizer_revision", "max_model_len", "max_num_seqs", "quantization",
                  "kv_cache_dtype", "enforce_eager", "generation_config", "tensor_parallel_size", "data_parallel_size",
-                 "ray_address"):
+                 "ray_address", "speculative_config"):
         if getattr(args, name, None) is not None:  # unset: leave the engine's own default
             options[name] = getattr(args, name)
     return options
@@ -156,6 +156,16 @@ def _as_record(prompt: str, output: RequestOutput) -> dict:
         "num_output_tokens": len(completion.token_ids),
         "error": output.error,
     }
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is expected, got {text}")
+    return value
 
 
 def _port(text: str) -> int:
@@ -245,6 +255,9 @@ def _add_model_args(parser: argparse.ArgumentParser, default_dtype: str) -> None
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
                         help="--no-enforce-eager runs decode steps as torch.compile graphs, compiled at start-up "
                              "(about 60 s for SmolLM2 on 2 CPU cores); default: eager")
+    parser.add_argument("--speculative-config", type=_json_object,
+                        help='speculative decoding by prompt lookup, as vLLM\'s: \'{"method": "ngram", '
+                             '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\' (default: off)')
     parser.add_argument("--generation-config",
                         help="where requests' default sampling comes from: auto (the model's "
                              "generation_config.json), vllm (none: SamplingParams' defaults) or a directory holding "

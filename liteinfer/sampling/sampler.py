@@ -38,9 +38,10 @@ class SamplingRow:
     params: SamplingParams
     token_ids: list[int]  # prompt, then the output so far (the sequence's own list: read, never copied or changed)
     num_prompt_tokens: int
-    # Set for seeded requests (the engine makes it from params.seed, on the logits' device), so that their
-    # tokens do not depend on the rest of the batch; None = the global RNG.
-    generator: torch.Generator | None = None
+    # A seeded sample's own seed (the engine derives one per sample from params.seed): its draw at each position is a
+    # function of the seed and the position alone (`seeded_uniform`), so its tokens depend neither on the rest of the
+    # batch nor on how its steps were cut (speculative decoding's rows included). None = the global RNG.
+    seed: int | None = None
     # params.bad_words as token ids, each word in each of its forms (the engine tokenizes them once per request).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # The sequence's structured output matcher (params.structured_outputs), which the engine advances.
@@ -335,13 +336,30 @@ def inverse_cdf(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Te
 
 
 def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
-    """One uniform in [0, 1) per row: from the global RNG for unseeded rows, each seeded row's from its generator, so
-    that its tokens do not depend on the rest of the batch."""
+    """One uniform in [0, 1) per row: from the global RNG for unseeded rows, from its seed and the position it samples
+    for seeded ones."""
     uniforms = torch.rand(len(rows), device=device)
-    for i, row in enumerate(rows):
-        if row.generator is not None:
-            uniforms[i] = torch.rand(1, generator=row.generator, device=device)[0]
+    if seeded := [i for i, row in enumerate(rows) if row.seed is not None]:
+        draws = [seeded_uniform(rows[i].seed, len(rows[i].token_ids)) for i in seeded]
+        uniforms[seeded] = torch.tensor(draws, dtype=uniforms.dtype, device=device)
     return uniforms
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's output function: a 64-bit mix of `x` whose outputs pass as independent uniform bits."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) that is a function of (seed, position) alone: a counter-based draw, where a stream would
+    depend on how many draws came before. 24 bits, so that float32 holds it exactly (it can never round to 1)."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 40) * 2.0**-24
 
 
 def gather_logprobs(

@@ -207,3 +207,10 @@ def test_rounds_give_medians_and_ratios_taken_within_each_round():
     text = compare.report(record)
     assert "medians of 3 rounds" in text
     assert "| fast | 1.00 | 84.0 | 168.0 | 10 / 20 | 5.0 / 6.0 | 50 / 60 | 100 | 1.10 (1.05–1.20) |" in text
+
+
+def test_an_engine_spec_sets_a_dict_options_fields_by_dotted_keys():
+    spec = EngineSpec.parse("liteinfer:fp32:speculative_config.num_speculative_tokens=4:"
+                            "speculative_config.prompt_lookup_max=3:max_num_seqs=8")
+    assert spec.options == {"speculative_config": {"num_speculative_tokens": 4, "prompt_lookup_max": 3},
+                            "max_num_seqs": 8}

@@ -100,6 +100,8 @@ def test_chat_applies_the_chat_template(capsys, tiny_llama_dir, model_args):
         (["--kv-cache-dtype", "int8", "--device", "cuda"], "kv_cache_dtype int8 runs on CPU"),
         (["--revision", "v1"], "revision='v1' picks a version of a Hub model"),  # the model is a local directory
         (["--tokenizer", "/no/such/tokenizer"], "tokenizer path not found: /no/such/tokenizer"),
+        (["--speculative-config", "{num_speculative_tokens: 2}"], "--speculative-config: not JSON"),
+        (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], "method must be 'ngram'"),
     ],
 )
 def test_invalid_values_exit_2_with_the_message(capsys, model_args, bad_args, message):
@@ -167,3 +169,8 @@ def test_generate_samples_as_the_model_recommends_where_its_flags_are_unset(caps
         assert main(["generate", "hi", "--model", str(directory), "--max-tokens", "3", *more]) == 0
     capsys.readouterr()
     assert [(p.temperature, p.top_k, p.max_tokens) for p in used] == [(0.6, 20, 3), (0.6, 5, 3), (1.0, 0, 3)]
+
+
+def test_speculative_decoding_from_the_command_line_gives_the_plain_answers(capsys, model_args, expected):
+    records = run_json(capsys, *PROMPTS, *model_args, "--speculative-config", '{"num_speculative_tokens": 2}')
+    assert [record["text"] for record in records] == [expected[prompt] for prompt in PROMPTS]

@@ -608,6 +608,8 @@ def test_metrics_parse_and_count_the_traffic(port, client):
     assert 0 <= samples["liteinfer_kv_cache_usage_ratio"] <= 1
     assert samples["liteinfer_prefix_cache_queried_tokens"] >= samples["liteinfer_prefix_cache_hit_tokens"] >= 0
     assert 0 <= samples["liteinfer_prefix_cache_hit_ratio"] <= 1
+    # No speculative decoding here: nothing drafted.
+    assert samples["liteinfer_spec_decode_draft_tokens"] == samples["liteinfer_spec_decode_accepted_tokens"] == 0
     assert samples["liteinfer_prompt_tokens_total"] > 0
     assert samples["liteinfer_generation_tokens_total"] >= MAX_TOKENS
     assert samples["liteinfer_time_to_first_token_seconds_count"] >= 1

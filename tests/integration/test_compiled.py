@@ -7,6 +7,7 @@ import asyncio
 import pathlib
 import re
 import zipfile
+from dataclasses import replace
 from unittest import mock
 
 import pytest
@@ -240,6 +241,20 @@ def test_an_engine_of_the_same_shapes_loads_the_packages_and_its_own_weights(pac
     assert token_ids(other.generate(prompts, GREEDY)) == token_ids(LLM(str(tmp_path), **ENGINE).generate(prompts,
                                                                                                         GREEDY))
     assert token_ids(other.generate(prompts, GREEDY)) != token_ids(packages.generate(prompts, GREEDY))
+
+
+def test_speculative_decode_steps_run_in_the_packages(packages, eager, tiny_llama_dir, monkeypatch):
+    """A decode step with drafts (several rows of one sequence, each at its own position) is a decode step: the
+    packages of the same shapes run it, no new one made, with eager's tokens."""
+    monkeypatch.setattr(torch.export, "export", mock.Mock(side_effect=AssertionError("traced again")))
+    speculative = {"num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    llm = LLM(str(tiny_llama_dir), enforce_eager=False, speculative_config=speculative, **ENGINE)
+    batches = graph_batches(monkeypatch, PackagedDecoder)
+    params = [GREEDY, replace(GREEDY, allowed_token_ids=list(range(300, 305)))] * 2
+    prompts = PROMPTS[:4]
+    assert token_ids(llm.generate(prompts, params)) == token_ids(eager.generate(prompts, params))
+    assert llm.engine.stats().spec_accepted_tokens > 0
+    assert max(batches) > len(prompts)  # more rows than sequences: drafts
 
 
 def test_package_key_covers_what_the_generated_code_depends_on(packages, tmp_path, monkeypatch):

@@ -1,10 +1,11 @@
 """Random engine configurations and requests against the plain engine (hypothesis).
 
-Whatever the pool size, the scheduler, prefix caching and chunking, with samples of n > 1 requests forked off their
-first one, stop strings and an abort mixed in: every request ends, every block comes back, and each sample of a
-greedy or seeded request has the plain engine's tokens and text, with plain K/V pools and with int8 ones, and where
-our kernels compute every row (heads of 64) its log-probabilities to the bit. (Such runs found the engine looping for
-ever on a tight pool with n > 1 requests, and a preempted sequence going on from other K/V than it had, 2026-12-05.)
+Whatever the pool size, the scheduler, prefix caching, chunking and speculative decoding, with samples of n > 1
+requests forked off their first one, stop strings and an abort mixed in: every request ends, every block comes back,
+and each sample of a greedy or seeded request has the plain engine's tokens and text, with plain K/V pools and with
+int8 ones, and where our kernels compute every row (heads of 64) its log-probabilities to the bit. (Such runs found
+the engine looping for ever on a tight pool with n > 1 requests, and a preempted sequence going on from other K/V than
+it had, 2026-12-05.)
 """
 
 import pytest
@@ -19,9 +20,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 MAX_MODEL_LEN = 128  # the smallest pool below, 8 blocks of 16 tokens, holds one sequence at full length
 MAX_STEPS = 5_000
 
+# Speculative decoding by prompt lookup, or none.
+speculative_configs = st.none() | st.fixed_dictionaries({
+    "num_speculative_tokens": st.integers(1, 5), "prompt_lookup_min": st.just(1),
+    "prompt_lookup_max": st.integers(1, 4),
+})
 engine_configs = st.one_of(
     st.fixed_dictionaries({
         "scheduler": st.just("continuous"),
+        "speculative_config": speculative_configs,
         "block_size": st.sampled_from([16, 32]),
         "num_kv_blocks": st.sampled_from([8, 12, 24, 64]),
         "max_num_seqs": st.sampled_from([1, 2, 4, 32]),
@@ -31,15 +38,17 @@ engine_configs = st.one_of(
     }).map(lambda c: c if c["enable_chunked_prefill"] else {**c, "max_num_batched_tokens": MAX_MODEL_LEN}),
     st.fixed_dictionaries({
         "scheduler": st.just("static"),
+        "speculative_config": speculative_configs,
         "block_size": st.sampled_from([16, 32]),
         "num_kv_blocks": st.sampled_from([8, 24]),
         "max_num_seqs": st.sampled_from([1, 3]),
     }),
 )
-# (prompt length, shares the common prefix, max_tokens, n, seeded sampling rather than greedy, stop strings)
+# (prompt length, shares the common prefix, max_tokens, n, seeded sampling rather than greedy, stop strings, kept to
+# a few tokens: a random model's text then repeats itself, so that speculative decoding keeps drafts)
 request_specs = st.lists(
     st.tuples(st.integers(1, 80), st.booleans(), st.integers(1, 40), st.integers(1, 3), st.booleans(),
-              st.sampled_from([[], ["e"], [" the", "ab"]])),
+              st.sampled_from([[], ["e"], [" the", "ab"]]), st.booleans()),
     min_size=1, max_size=8,
 )
 
@@ -96,9 +105,10 @@ def test_random_engine_config_and_requests_give_the_plain_engines_samples(
     directory, options, bitwise = model
     llm = LLM(directory, dtype="float32", max_model_len=MAX_MODEL_LEN, **config, **options)
     requests = {}
-    for i, (length, shared, max_tokens, n, seeded, stop) in enumerate(specs):
+    for i, (length, shared, max_tokens, n, seeded, stop, few_tokens) in enumerate(specs):
         ids = (prefix if shared else []) + [tokens.randrange(10, 5000) for _ in range(length)]
         params = SamplingParams(max_tokens=max_tokens, n=n, stop=stop, ignore_eos=True, logprobs=0,
+                                allowed_token_ids=list(range(300, 305)) if few_tokens else None,
                                 **({"temperature": 0.8, "top_p": 0.9, "seed": i} if seeded else {"temperature": 0}))
         requests[f"r{i}"] = ({"prompt_token_ids": ids}, params)
     abort = None if abort_at is None or abort_at[0] >= len(specs) else (f"r{abort_at[0]}", abort_at[1])

@@ -257,3 +257,21 @@ def test_fp32_prefix_caching_and_chunked_prefill_keep_greedy_tokens(llm_fp32, pr
     expected = [out.outputs[0].token_ids for out in plain.generate(prompts, params)]
     assert [out.outputs[0].token_ids for out in cached] == expected
     assert [out.outputs[0].token_ids for out in chunked.generate(prompts, params)] == expected
+
+
+def test_speculative_decoding_gives_the_plain_greedy_tokens_and_keeps_drafts_on_real_text(llm_fp32):
+    """Prompt lookup on the real model: answers that quote their prompt (a correction, a list repeated) keep many
+    drafts; every answer is the plain engine's, token for token."""
+    speculative = LLM(dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES,
+                      speculative_config={"num_speculative_tokens": 4, "prompt_lookup_max": 4})
+    questions = PARITY_PROMPTS[:4] + [
+        "Fix the spelling in this sentence and write it out: 'The quick brwn fox jumpd over the lazy dog.'",
+        "Repeat this list exactly: apples, bananas, cherries, dates, elderberries, figs, grapes.",
+    ]
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS)
+    outputs = speculative.chat([chat(question) for question in questions], params)
+    expected = llm_fp32.chat([chat(question) for question in questions], params)
+    assert [out.outputs[0].token_ids for out in outputs] == [out.outputs[0].token_ids for out in expected]
+    stats = speculative.engine.stats()
+    print(f"drafts kept: {stats.spec_accepted_tokens} of {stats.spec_draft_tokens}")
+    assert stats.spec_accepted_tokens > 0

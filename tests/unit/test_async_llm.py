@@ -319,3 +319,24 @@ def test_engine_failure_reaches_the_reader_and_stops_the_loop(llm, monkeypatch):
 
     asyncio.run(main())
     assert_idle_and_all_blocks_free(llm)  # leaving the context aborted what the failed loop left behind
+
+
+def test_a_speculative_stream_carries_each_steps_kept_tokens_in_one_event(tiny_llama_dir, sync_llm):
+    """With speculative decoding a step may keep several tokens: their event carries them all, with their text and
+    logprobs, and the events still add up to the plain engine's sample."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0,
+                            allowed_token_ids=list(range(300, 305)))  # a random model's text, made to repeat
+    expected = sync_llm.generate(PROMPTS[0], params)[0].outputs[0]
+    speculative = AsyncLLM(str(tiny_llama_dir), dtype="float32",
+                           speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1})
+
+    async def main():
+        async with speculative:
+            return await collect(speculative.stream(PROMPTS[0], params))
+
+    events = asyncio.run(main())
+    assert "".join(event.delta for event in events) == events[-1].text == expected.text
+    assert [t for event in events for t in event.new_token_ids] == events[-1].token_ids == expected.token_ids
+    assert all(len(event.logprobs) == len(event.new_token_ids) for event in events)
+    assert max(len(event.new_token_ids) for event in events) > 1
+    assert_idle_and_all_blocks_free(speculative)

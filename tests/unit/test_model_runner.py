@@ -53,7 +53,29 @@ def test_each_token_takes_the_path_of_what_it_is_whatever_the_steps_shape():
         (4, 10, [20, 21, 22], 6), (10, 13, [30, 31, 32], 7), (13, 14, [40, 41], 5)]
     assert meta.slot_blocks.tolist() == [11, 21, 21, 22, 20, 20, 20, 20, 21, 21, 31, 31, 31, 41]
     assert meta.slot_offsets.tolist() == [3, 2, 3, 0, 0, 1, 2, 3, 0, 1, 0, 1, 2, 0]
-    assert sampling == [(0, 0), (1, 3), (3, 13)]  # (batch position, row), in row order
+    assert sampling == [(0, 0, 0), (1, 3, 0), (3, 13, 0)]  # (batch position, row, drafts before it), in row order
+
+
+def test_a_sequences_drafts_follow_its_last_token_as_decodes_each_row_sampling():
+    """Speculative decoding: the last token and its drafts are decodes at their own positions, in its blocks, and each
+    of these rows samples, with the drafts before it as its output so far."""
+    drafting = sequence(num_prompt=5, num_output=2, num_computed=6, table=[10, 11, 12])
+    drafting.spec_token_ids = [7, 8, 9]
+    plain = sequence(num_prompt=4, num_output=1, num_computed=4, table=[20, 21])
+    batch = ScheduledBatch()
+    batch.add(drafting, 4)
+    batch.add(plain, 1)
+    runner = ModelRunner(model=None, sampler=None, block_size=4, device=torch.device("cpu"))
+
+    input_ids, meta, sampling, _ = runner._prepare(batch)
+
+    assert meta.positions.tolist() == [6, 7, 8, 9, 4]
+    assert input_ids.tolist() == [106, 7, 8, 9, 104]
+    assert meta.num_decodes == 5 and not meta.prefills
+    assert meta.decode_block_tables.tolist() == [[10, 11, 12]] * 4 + [[20, 21, 0]]
+    assert meta.slot_blocks.tolist() == [11, 11, 12, 12, 21]
+    assert meta.slot_offsets.tolist() == [2, 3, 0, 1, 0]
+    assert sampling == [(0, 0, 0), (0, 1, 1), (0, 2, 2), (0, 3, 3), (1, 4, 0)]
 
 
 @given(num_sampling=st.integers(0, 40), num_scored=st.integers(0, 40), at_once=st.integers(1, 16))

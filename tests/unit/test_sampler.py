@@ -6,15 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from liteinfer.sampling import NO_TOKEN, Sampler, SamplerOutput, SamplingParams, SamplingRow
-from liteinfer.sampling.sampler import apply_min_p, apply_penalties, apply_top_k, apply_top_p
+from liteinfer.sampling.sampler import apply_min_p, apply_penalties, apply_top_k, apply_top_p, seeded_uniform
 
 EOS = 0
 NEG_INF = -float("inf")
 
 
 def make_row(prompt=(), output=(), seed=None, **params) -> SamplingRow:
-    generator = None if seed is None else torch.Generator().manual_seed(seed)
-    return SamplingRow(SamplingParams(**params), [*prompt, *output], len(prompt), generator)
+    return SamplingRow(SamplingParams(**params), [*prompt, *output], len(prompt), seed)
 
 
 def logits_from_probs(probs: list[float]) -> torch.Tensor:
@@ -176,11 +175,10 @@ def test_sampler_seeded_row_same_tokens_in_any_batch(sampler):
     target = torch.randn(vocab)
 
     def run(seed, position, others):
-        generator = torch.Generator().manual_seed(seed)
         tokens = []
         for _ in range(steps):
             rows = [make_row(**p) for p in others]
-            rows.insert(position, SamplingRow(SamplingParams(top_p=0.95, seed=seed), [], 0, generator))
+            rows.insert(position, SamplingRow(SamplingParams(top_p=0.95, seed=seed), list(tokens), 0, seed))
             logits = torch.randn(len(rows), vocab)
             logits[position] = target
             tokens.append(sampler(logits, rows).token_ids[position])
@@ -200,6 +198,34 @@ def test_sampler_temperature_matches_softmax_distribution(sampler):
     expected = torch.softmax(logits / temperature, -1)
     standard_error = (expected * (1 - expected) / num).sqrt()
     assert ((counts / num - expected).abs() < 4.5 * standard_error).all(), (counts / num, expected)
+
+
+def test_seeded_rows_follow_the_distribution_across_seeds_and_positions(sampler):
+    """A seeded row's draw is a function of (seed, position): over many seeds, and over the positions of one seed's
+    sample, its tokens still follow softmax(logits / T)."""
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.5])
+    temperature, num = 0.7, 20_000
+    expected = torch.softmax(logits / temperature, -1)
+    standard_error = (expected * (1 - expected) / num).sqrt()
+    across_seeds = [make_row(seed=seed, output=[1] * 5, temperature=temperature) for seed in range(num)]
+    across_positions = [make_row(seed=11, output=[1] * n, temperature=temperature) for n in range(num)]
+    for rows in (across_seeds, across_positions):
+        tokens = sampler(logits.expand(num, -1), rows).token_ids
+        counts = torch.bincount(torch.tensor(tokens), minlength=len(expected))
+        assert ((counts / num - expected).abs() < 4.5 * standard_error).all(), (counts / num, expected)
+
+
+def test_seeded_uniform_is_a_function_of_seed_and_position_in_the_unit_interval():
+    draws = [seeded_uniform(seed, position) for seed in (0, 1, -5, 2**63 - 1) for position in range(2_000)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    assert draws == [seeded_uniform(seed, position) for seed in (0, 1, -5, 2**63 - 1) for position in range(2_000)]
+    assert len(set(draws)) > 0.99 * len(draws)  # 24-bit draws: a few collisions at most
+    # Neighbouring positions and seeds are not correlated: a linear fit of each draw on the one before explains
+    # nothing.
+    pairs = torch.tensor(draws).view(-1, 2)
+    assert abs(torch.corrcoef(pairs.T)[0, 1]) < 0.05
+    bins = torch.histc(torch.tensor(draws), bins=10, min=0, max=1) / len(draws)
+    assert ((bins - 0.1).abs() < 0.015).all(), bins
 
 
 def test_sampler_logprobs_come_from_raw_logits_with_ranks(sampler):

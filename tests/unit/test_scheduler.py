@@ -437,3 +437,65 @@ def test_scheduler_idle_schedule_is_empty(cls):
     scheduler = make_scheduler(cls=cls)
     batch = scheduler.schedule()
     assert batch.seqs == [] and batch.preempted == [] and not scheduler.has_unfinished()
+
+
+# Speculative decoding's drafts ---------------------------------------------------------------------------------
+
+
+def decoding_seqs(scheduler: Scheduler, *prompt_lens: int) -> list[Sequence]:
+    """Running sequences whose prompts are computed and whose first tokens are sampled, in one step."""
+    seqs = [make_seq(prompt_len, max_tokens=8) for prompt_len in prompt_lens]
+    for seq in seqs:
+        scheduler.add(seq)
+    assert scheduler.schedule().seqs == seqs
+    for seq in seqs:
+        seq.num_computed_tokens = seq.num_tokens
+        seq.token_ids.append(8)
+    return seqs
+
+
+def test_a_decodes_drafts_are_scheduled_with_it():
+    scheduler = make_scheduler(num_blocks=16)
+    [seq] = decoding_seqs(scheduler, 6)
+    seq.spec_token_ids = [1, 2, 3]
+    batch = scheduler.schedule()
+    assert batch.num_new_tokens == [4] and seq.spec_token_ids == [1, 2, 3]
+    assert len(seq.block_table) * BLOCK_SIZE >= seq.num_tokens + 3
+
+
+def test_drafts_are_cut_to_the_step_budget():
+    scheduler = make_scheduler(num_blocks=16, max_num_batched_tokens=6)
+    first, second = decoding_seqs(scheduler, 3, 3)
+    first.spec_token_ids, second.spec_token_ids = [1, 2, 3], [4, 5, 6]
+    batch = scheduler.schedule()  # room for the first's token and drafts, then the second's token and one draft
+    assert batch.seqs == [first, second] and batch.num_new_tokens == [4, 2]
+    assert first.spec_token_ids == [1, 2, 3] and second.spec_token_ids == [4]
+
+
+def test_drafts_take_free_blocks_only_and_never_preempt():
+    """A sequence whose drafts need a block the pool lacks runs without them; nobody is preempted for them."""
+    scheduler = make_scheduler(num_blocks=4)
+    first, second = decoding_seqs(scheduler, 5, 5)  # 6 tokens each, in two blocks each: the pool is full
+    assert scheduler.block_manager.num_free_blocks == 0
+    first.spec_token_ids = [1, 2, 3]  # its token and drafts would reach position 8: a third block
+    batch = scheduler.schedule()
+    assert batch.seqs == [first, second] and batch.num_new_tokens == [1, 1]
+    assert first.spec_token_ids == [] and not batch.preempted
+
+
+def test_a_step_that_is_no_decode_drops_drafts():
+    """A sequence computed again after a preemption (or a prompt chunk) carries no drafts into its step."""
+    scheduler = make_scheduler(num_blocks=16)
+    [seq] = decoding_seqs(scheduler, 6)
+    seq.spec_token_ids = [1, 2]
+    scheduler.running.remove(seq)
+    scheduler.preempt(seq)
+    batch = scheduler.schedule()
+    assert batch.seqs == [seq] and batch.num_new_tokens == [seq.num_tokens] and seq.spec_token_ids == []
+
+
+def test_static_batches_schedule_drafts_within_the_lifetime_blocks():
+    scheduler = make_scheduler(num_blocks=16, cls=StaticScheduler)
+    [seq] = decoding_seqs(scheduler, 6)
+    seq.spec_token_ids = [1, 2]
+    assert scheduler.schedule().num_new_tokens == [3]

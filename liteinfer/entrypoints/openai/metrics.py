@@ -29,6 +29,10 @@ class ServerMetrics:
             "liteinfer_prefix_cache_hit_tokens": ("Prompt tokens found in the prefix cache", "prefix_cache_hit_tokens"),
             "liteinfer_prefix_cache_hit_ratio": ("Share of looked-up prompt tokens found in the prefix cache (0..1)",
                                                  "prefix_cache_hit_rate"),
+            "liteinfer_spec_decode_draft_tokens": ("Draft tokens computed by speculative decoding",
+                                                   "spec_draft_tokens"),
+            "liteinfer_spec_decode_accepted_tokens": ("Draft tokens kept by speculative decoding",
+                                                      "spec_accepted_tokens"),
         }
         for name, (help_text, stat) in gauges.items():
             Gauge(name, help_text, registry=self.registry).set_function(lambda stat=stat: getattr(llm.stats, stat))
