@@ -69,3 +69,22 @@ def test_cuda_attention_runs_our_triton_kernels(tiny_llama_dir):
         LLM(str(tiny_llama_dir), device="cuda", dtype="float32").generate(
             ["The capital of France is"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert prompt_kernel.called and decode_kernel.called
+
+
+def test_cuda_graphs_run_speculative_steps_with_the_eager_tokens(tiny_llama_dir):
+    """A decode step with drafts (several rows of one sequence) replays the ladder's graphs, which reach
+    max_num_seqs x (1 + k) rows, and gives the plain eager engine's tokens; nothing is captured while it runs."""
+    prompts = ["The capital of France is", "Once upon a time", "Hi", "a b c d e f g h i j k l m n o p q r s t u v w"]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                             allowed_token_ids=list(range(300, 305)) if i % 2 else None) for i in range(4)]
+    options = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=4)
+    eager = [out.outputs[0].token_ids for out in LLM(str(tiny_llama_dir), **options).generate(prompts, params)]
+    capture_begin = torch.cuda.CUDAGraph.capture_begin
+    with mock.patch.object(torch.cuda.CUDAGraph, "capture_begin", autospec=True, side_effect=capture_begin) as capture:
+        llm = LLM(str(tiny_llama_dir), enforce_eager=False, speculative_config={"num_speculative_tokens": 3,
+                                                                               "prompt_lookup_min": 1}, **options)
+        assert llm.engine.runner.compiled.graph_batch_sizes == [1, 2, 4, 8, 16]
+        captured_at_start = capture.call_count
+        assert [out.outputs[0].token_ids for out in llm.generate(prompts, params)] == eager
+    assert capture.call_count == captured_at_start
+    assert llm.engine.stats().spec_accepted_tokens > 0
