@@ -18,12 +18,14 @@ class SpeculativeConfig:
     `num_speculative_tokens` draft tokens, copied from what followed the latest earlier occurrence of the sequence's
     last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`), and keeps those the model would have
     sampled itself (engine/speculative.py). As in vLLM, a bound left out takes the other's value, and both 5 when
-    neither is given."""
+    neither is given. `disable_by_batch_size`: no drafts while more sequences than this are running or waiting
+    (a wide batch is bound by arithmetic, where every draft's row costs as much as a real one's)."""
 
     num_speculative_tokens: int
     method: Literal["ngram"] = "ngram"
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
@@ -39,6 +41,11 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config's {name} must be an integer >= 1, got {value!r}")
+        if self.disable_by_batch_size is not None and (not isinstance(self.disable_by_batch_size, int)
+                                                       or isinstance(self.disable_by_batch_size, bool)
+                                                       or self.disable_by_batch_size < 1):
+            raise ValueError(f"speculative_config's disable_by_batch_size must be None or an integer >= 1, got "
+                             f"{self.disable_by_batch_size!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config's prompt_lookup_min ({self.prompt_lookup_min}) must not exceed its "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")

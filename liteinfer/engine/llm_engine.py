@@ -416,8 +416,12 @@ class LLMEngine:
 
     def _propose_drafts(self, seqs: list[Sequence]) -> None:
         """Draft tokens for the sequences that go on decoding: never past their last position (max_tokens, which
-        the context holds); none for a structured output, whose format's matcher advances only on kept tokens."""
+        the context holds); none for a structured output, whose format's matcher advances only on kept tokens; none
+        at all while more sequences than `disable_by_batch_size` are running or waiting."""
         spec = self.config.speculative_config
+        busy = len(self.scheduler.running) + len(self.scheduler.waiting)
+        if spec.disable_by_batch_size is not None and busy > spec.disable_by_batch_size:
+            return
         for seq in seqs:
             if seq.is_finished or seq.grammar is not None or seq.num_computed_tokens != seq.num_tokens - 1:
                 continue

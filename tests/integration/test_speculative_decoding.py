@@ -118,6 +118,29 @@ def test_drafts_never_pass_max_tokens_or_the_context(tiny_llama_dir):
     assert [out.outputs[0].finish_reason for out in outputs] == ["length", "length"]
 
 
+def test_no_drafts_while_the_batch_is_wider_than_disable_by_batch_size(tiny_llama_dir):
+    """vLLM's disable_by_batch_size: three sequences decoding together get no drafts past a limit of two; once the
+    batch narrows to the limit, the one left drafts again; the tokens are the plain engine's either way."""
+    prompts = PROMPTS[:3]
+    params = [replace(LOOPING, max_tokens=n) for n in (8, 8, 40)]
+    want = make_llm(tiny_llama_dir).generate(prompts, params)
+    llm = make_llm(tiny_llama_dir, speculative_config={**SPECULATIVE, "disable_by_batch_size": 2})
+    drafted_while_wide = []
+    step = llm.engine.step
+
+    def counting_step():
+        running = len(llm.engine.scheduler.running)
+        outputs = step()
+        if running > 2:
+            drafted_while_wide.append(llm.engine.stats().spec_draft_tokens)
+        return outputs
+
+    llm.engine.step = counting_step
+    assert samples(llm.generate(prompts, params)) == samples(want)
+    assert drafted_while_wide and set(drafted_while_wide) == {0}
+    assert llm.engine.stats().spec_accepted_tokens > 0  # the long one, alone at the end
+
+
 @pytest.mark.parametrize("value, message", [
     ({"method": "eagle", "num_speculative_tokens": 2}, "method must be 'ngram'"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
@@ -125,6 +148,7 @@ def test_drafts_never_pass_max_tokens_or_the_context(tiny_llama_dir):
     ({"num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max must be an integer >= 1"),
     ({"num_speculative_tokens": 2, "draft_model": "x"}, "has no field draft_model"),
     ({"prompt_lookup_max": 3}, "needs num_speculative_tokens"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be None or an integer"),
     ("ngram", "must be a dict"),
 ])
 def test_a_bad_speculative_config_is_refused_before_loading(value, message):
