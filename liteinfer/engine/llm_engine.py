@@ -423,7 +423,9 @@ class LLMEngine:
         if spec.disable_by_batch_size is not None and busy > spec.disable_by_batch_size:
             return
         for seq in seqs:
-            if seq.is_finished or seq.grammar is not None or seq.num_computed_tokens != seq.num_tokens - 1:
+            # (Its one uncomputed token a generated one: after a prompt's chunk that left its last token, no drafts.)
+            decoding = seq.num_prompt_tokens <= seq.num_computed_tokens == seq.num_tokens - 1
+            if seq.is_finished or seq.grammar is not None or not decoding:
                 continue
             room = min(spec.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1)
             seq.spec_token_ids = propose_ngram(seq.token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)

@@ -78,22 +78,41 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = self._chunk(seq, budget)
-            if self.waiting and num_new > 1 and not seq.spec_token_ids:  # a prefill in progress leaves room
+            if self.waiting and num_new > 1:  # a prefill in progress leaves room for newcomers
                 num_new = min(num_new, self.long_prefill_token_threshold)
             if num_new == 0:
                 break
-            # Drafts take free blocks only: never a waiting sample's, never a running sequence's by preemption.
-            if seq.spec_token_ids and not self.block_manager.allocate(seq.block_table,
-                                                                      seq.num_computed_tokens + num_new):
-                num_new -= len(seq.spec_token_ids)
-                seq.spec_token_ids.clear()
             if self._grow_or_preempt(seq, num_new, batch):
                 batch.add(seq, num_new)
                 budget -= num_new
                 i += 1
         if not batch.preempted:
             self._admit_waiting(batch, budget)
+        self._add_drafts(batch)
         return batch
+
+    def _add_drafts(self, batch: ScheduledBatch) -> None:
+        """Give each scheduled decode as many of its draft tokens (speculative decoding) as the step's leftover
+        budget and the free blocks hold, oldest first, and drop the rest: drafts come after every running
+        sequence's own token and every newcomer, so they never preempt or hold back anyone. Only the decode of a
+        generated token drafts (not a prompt's last token, not a recompute), and none in a step that preempted."""
+        budget = self.max_num_batched_tokens - batch.num_tokens
+        block_size, free_blocks = self.block_manager.block_size, self.block_manager.num_free_blocks
+        for k, seq in enumerate(batch.seqs):
+            if not seq.spec_token_ids:
+                continue
+            keep, end = 0, seq.num_computed_tokens + 1
+            decodes_generated_token = batch.num_new_tokens[k] == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+            if decodes_generated_token and not batch.preempted:
+                room = (len(seq.block_table) + free_blocks) * block_size - end
+                keep = max(0, min(len(seq.spec_token_ids), budget, room))
+            del seq.spec_token_ids[keep:]
+            if keep:
+                had = len(seq.block_table)
+                self.block_manager.allocate(seq.block_table, end + keep)  # (room counted the free blocks)
+                free_blocks -= len(seq.block_table) - had
+                batch.num_new_tokens[k] += keep
+                budget -= keep
 
     def _grow_or_preempt(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
         """Give `seq` blocks for its new tokens, preempting from the newest end; False if `seq` itself went."""
@@ -106,12 +125,8 @@ class Scheduler:
         return True
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        """How many of `seq`'s uncomputed tokens fit this step (0: none can). A decode's drafts are cut to what fits
-        beside its token; any other step drops them (a prefill, a recompute after a preemption)."""
+        """How many of `seq`'s uncomputed tokens fit this step (0: none can)."""
         num_new = seq.num_tokens - seq.num_computed_tokens
-        if seq.spec_token_ids:
-            del seq.spec_token_ids[budget - 1 if num_new == 1 else 0 :]
-            num_new += len(seq.spec_token_ids)
         if num_new <= budget:
             return num_new
         return budget if self.enable_chunked_prefill else 0

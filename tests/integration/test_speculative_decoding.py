@@ -107,6 +107,18 @@ def test_preemption_chunking_and_static_batches_keep_the_plain_tokens(tiny_llama
     assert llm.engine.stats().spec_accepted_tokens > 0
 
 
+def test_a_prompt_whose_last_chunk_is_one_token_drafts_only_once_it_decodes(tiny_llama_dir):
+    """Chunks of 16 leave the long prompt's last token for a step of its own, beside another's decode: that token
+    is a prompt span, not a decode, and must not take drafts (its first draft row once sampled from the other
+    sequence's row: a review's find)."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, allowed_token_ids=FEW_TOKENS)
+    prompts = [{"prompt_token_ids": [700, 701, 702]}, {"prompt_token_ids": ([500, 501, 502] * 10)[:29]}]
+    want = make_llm(tiny_llama_dir, max_num_batched_tokens=16).generate(prompts, [params, params])
+    llm = make_llm(tiny_llama_dir, max_num_batched_tokens=16, speculative_config=SPECULATIVE)
+    assert samples(llm.generate(prompts, [params, params])) == samples(want)
+    assert llm.engine.stats().spec_draft_tokens > 0
+
+
 def test_drafts_never_pass_max_tokens_or_the_context(tiny_llama_dir):
     """A sequence one token short of its max_tokens, or of the context, gets no drafts past it."""
     llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=48, num_kv_blocks=16, block_size=16,

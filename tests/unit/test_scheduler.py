@@ -473,14 +473,37 @@ def test_drafts_are_cut_to_the_step_budget():
 
 
 def test_drafts_take_free_blocks_only_and_never_preempt():
-    """A sequence whose drafts need a block the pool lacks runs without them; nobody is preempted for them."""
-    scheduler = make_scheduler(num_blocks=4)
-    first, second = decoding_seqs(scheduler, 5, 5)  # 6 tokens each, in two blocks each: the pool is full
-    assert scheduler.block_manager.num_free_blocks == 0
-    first.spec_token_ids = [1, 2, 3]  # its token and drafts would reach position 8: a third block
+    """A sequence's drafts get the room its blocks and the free ones have once every running sequence's own token
+    has its block: a newer sequence that needs the last free block gets it, nobody is preempted for drafts."""
+    scheduler = make_scheduler(num_blocks=5)
+    older, newer = decoding_seqs(scheduler, 5, 8)  # 6 tokens in two blocks; 9 tokens, whose next needs a third
+    assert scheduler.block_manager.num_free_blocks == 1
+    older.spec_token_ids = [1, 2, 3]  # positions 6, 7 fit its blocks; 8 would need the free one
     batch = scheduler.schedule()
-    assert batch.seqs == [first, second] and batch.num_new_tokens == [1, 1]
-    assert first.spec_token_ids == [] and not batch.preempted
+    assert batch.seqs == [older, newer] and not batch.preempted
+    assert batch.num_new_tokens == [3, 1] and older.spec_token_ids == [1, 2]
+    assert scheduler.block_manager.num_free_blocks == 0 and len(newer.block_table) == 3
+
+
+def test_the_last_prompt_token_of_a_chunked_prompt_gets_no_drafts():
+    """A prompt whose chunks left its last token: that step is a prompt span, not a decode, and takes no drafts
+    (the runner would otherwise sample the drafts' first row from another sequence's row)."""
+    scheduler = make_scheduler(num_blocks=16)
+    seq = make_seq(9)
+    scheduler.add(seq)
+    scheduler.schedule()
+    seq.num_computed_tokens = 8  # a chunk stopped one token short
+    seq.spec_token_ids = [1, 2]
+    batch = scheduler.schedule()
+    assert batch.num_new_tokens == [1] and seq.spec_token_ids == []
+
+
+def test_a_step_that_preempts_gives_no_drafts():
+    scheduler = make_scheduler(num_blocks=4)
+    older, newer = decoding_seqs(scheduler, 8, 8)  # 9 tokens each: each next token needs a third block
+    older.spec_token_ids = [1]
+    batch = scheduler.schedule()
+    assert batch.preempted == [newer] and batch.num_new_tokens == [1] and older.spec_token_ids == []
 
 
 def test_a_step_that_is_no_decode_drops_drafts():
