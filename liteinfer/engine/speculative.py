@@ -3,12 +3,14 @@
 After each step a running sequence may get draft tokens (`Sequence.spec_token_ids`): what followed the latest earlier
 occurrence of its last n tokens, for the largest n in [prompt_lookup_min, prompt_lookup_max] that occurs (vLLM's
 `ngram` method). Its next step computes its last token and the drafts together, each as a decode that reads the keys
-up to its own position, so each row's logits are, bit for bit, those a plain step at that position would compute
-(with float weights). Each row is sampled as its own plain step would sample it, the drafts before it counted as
-the output so far (penalties, min_tokens and bad words see them), and the sequence keeps the sampled tokens up to and
-including the first that differs from its draft: every kept token is the one a plain step would have sampled there.
+up to its own position, the path a plain step takes for that token, so each row's logits are those a plain step at
+that position computes (to the bit where our kernels compute every row, as for a row in any other batch;
+docs/architecture.md says where a batch's shape moves the last bits). Each row is sampled as its own plain step
+would sample it, the drafts before it counted as the output so far (penalties, min_tokens and bad words see them),
+and the sequence keeps the sampled tokens up to and including the first that differs from its draft: every kept
+token is the one a plain step would have sampled there.
 
-Greedy rows therefore give the plain path's tokens exactly. Sampled rows keep its distribution: a draft is one fixed
+Greedy rows therefore give the plain path's tokens. Sampled rows keep its distribution: a draft is one fixed
 token d, accepted when the row's own draw is d (probability p(d)); a row whose draw differs keeps that draw, which
 is p with d left out, renormalised: speculative sampling's rule for a proposal that puts all its mass on d.
 """
