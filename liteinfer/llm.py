@@ -68,16 +68,18 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the model's chat template
-        (`apply_chat_template` for the options)."""
+        (`apply_chat_template` for the options). The replies are the model's text, calls of `tools` included as it
+        writes them (the server's tool parsers make them OpenAI's tool_calls)."""
         if not isinstance(messages, list):
             raise ValueError(f"messages is a conversation (a list of messages) or a list of them, got "
                              f"{type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         # The rendered text comes with the ids, as the outputs' `prompt` (vLLM's).
         prompts = [render_chat(self.tokenizer, conversation, add_generation_prompt, continue_final_message,
-                               chat_template_kwargs) for conversation in conversations]
+                               chat_template_kwargs, tools) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
@@ -94,9 +96,10 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """A conversation's prompt token ids: the assistant's turn opened (`add_generation_prompt`) or the last
         message left open to be continued (`continue_final_message`); `chat_template_kwargs` are further variables
-        of the template (Qwen3's `enable_thinking`, ...)."""
+        of the template (Qwen3's `enable_thinking`, ...); `tools`, the functions the model may call."""
         return render_chat(self.tokenizer, conversation, add_generation_prompt, continue_final_message,
-                           chat_template_kwargs)["prompt_token_ids"]
+                           chat_template_kwargs, tools)["prompt_token_ids"]

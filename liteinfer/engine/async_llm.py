@@ -260,10 +260,11 @@ class AsyncLLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """As `LLM.apply_chat_template`."""
         prompt = await self._on_engine(render_chat, self.tokenizer, conversation, add_generation_prompt,
-                                       continue_final_message, chat_template_kwargs)
+                                       continue_final_message, chat_template_kwargs, tools)
         return prompt["prompt_token_ids"]
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -101,12 +101,15 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A conversation as the engine's prompt, `{"prompt": text, "prompt_token_ids": ids}`, rendered with the
     tokenizer's chat template: ending with the assistant's turn opened (`add_generation_prompt`) or with the last
     message left open for the model to go on with (`continue_final_message`). `chat_template_kwargs` are further
-    variables the template reads (Qwen3's `enable_thinking`, for one). A template that refuses the conversation
-    (alternating roles, ...) raises ValueError with its message."""
+    variables the template reads (Qwen3's `enable_thinking`, for one); `tools`, the functions the model may call
+    (transformers' form: OpenAI's `{"type": "function", "function": {...}}`), which a template that knows tools
+    writes into the prompt. A template that refuses the conversation (alternating roles, ...) raises ValueError
+    with its message."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
     if add_generation_prompt and continue_final_message:
@@ -125,7 +128,8 @@ def render_chat(
                              "own")
     messages = template_messages(conversation)
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **variables)
     # The template's raise_exception(...), or a variable of chat_template_kwargs that it cannot use (TypeError:
     # the messages, checked above, cannot cause one).

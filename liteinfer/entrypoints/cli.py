@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from liteinfer.config import DEFAULT_MODEL
 from liteinfer.engine.async_llm import DEFAULT_MAX_WAITING_SEQS
+from liteinfer.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from liteinfer.llm import LLM
 from liteinfer.models import supported_architectures
 from liteinfer.outputs import RequestOutput
@@ -100,8 +101,10 @@ def _serve(args: argparse.Namespace) -> int:
     # FastAPI and uvicorn load only for this command, keeping `generate` quick to start.
     from liteinfer.entrypoints.openai.server import serve
 
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):  # vLLM asks for both together
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together: give both, or neither")
     serve(args.model, args.host, args.port, api_key=args.api_key, served_model_name=args.served_model_name,
-          max_waiting_seqs=args.max_waiting_seqs, **_engine_options(args))
+          tool_call_parser=args.tool_call_parser, max_waiting_seqs=args.max_waiting_seqs, **_engine_options(args))
     return 0
 
 
@@ -227,6 +230,11 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get("LITEINFER_API_KEY"),
                        help="require `Authorization: Bearer KEY` (default: $LITEINFER_API_KEY; none: open)")
     serve.add_argument("--served-model-name", help="the model's name in the API (default: --model)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let requests with tools use tool_choice "auto" (needs --tool-call-parser)')
+    serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                       help="how the model writes its tool calls: hermes (Hermes, Qwen 2.5/3), llama3_json "
+                            "(Llama 3.1/3.2)")
     serve.set_defaults(run=_serve, parser=serve)
 
     models = commands.add_parser("models", help="list the supported model architectures")

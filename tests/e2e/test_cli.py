@@ -174,3 +174,11 @@ def test_generate_samples_as_the_model_recommends_where_its_flags_are_unset(caps
 def test_speculative_decoding_from_the_command_line_gives_the_plain_answers(capsys, model_args, expected):
     records = run_json(capsys, *PROMPTS, *model_args, "--speculative-config", '{"num_speculative_tokens": 2}')
     assert [record["text"] for record in records] == [expected[prompt] for prompt in PROMPTS]
+
+
+@pytest.mark.parametrize("flags", [["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]])
+def test_serve_takes_auto_tool_choice_and_its_parser_together(capsys, tiny_llama_dir, flags):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", str(tiny_llama_dir), *flags])
+    assert exit_info.value.code == 2
+    assert "--enable-auto-tool-choice and --tool-call-parser go together" in capsys.readouterr().err

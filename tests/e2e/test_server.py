@@ -634,8 +634,10 @@ BAD_REQUESTS = {
     "bad top_p": ("POST", "/v1/chat/completions", {"messages": QUESTION, "top_p": 0}, 400, "top_p"),
     "too many logprobs": ("POST", "/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
     "empty prompt": ("POST", "/v1/completions", {"prompt": ""}, 400, None),
-    "unsupported field": ("POST", "/v1/chat/completions", {"messages": QUESTION, "tools": [{"type": "x"}]}, 400,
-                          None),
+    "unsupported field": ("POST", "/v1/chat/completions", {"messages": QUESTION, "functions": [{"name": "f"}]},
+                          400, None),
+    "a tool of no known type": ("POST", "/v1/chat/completions", {"messages": QUESTION, "tools": [{"type": "x"}]},
+                                400, "tools.0.type"),
     "echo of a token prompt out of the vocabulary": ("POST", "/v1/completions",
                                                      {"prompt": [1, 10**9], "echo": True}, 400, None),
     "unknown model": ("POST", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),  # OpenAI's, vLLM's
@@ -702,8 +704,8 @@ BAD_REQUESTS = {
 
 REFUSED_WITH_THEIR_OWN_WORDS = {
     "best_of": ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of is not supported by this server"),
-    "tools": ("/v1/chat/completions", {"messages": QUESTION, "tools": [{"type": "function"}]},
-              "tools is not supported by this server"),
+    "functions": ("/v1/chat/completions", {"messages": QUESTION, "functions": [{"name": "f"}]},
+                  "functions is not supported by this server"),  # the deprecated form of tools
     "prompt and messages": ("/tokenize", {"prompt": "hi", "messages": QUESTION},
                             "give exactly one of prompt and messages"),
 }
@@ -793,7 +795,7 @@ def test_serve_moves_the_start_up_heap_out_of_the_collectors_reach(monkeypatch):
     stopped meanwhile. `serve` freezes what start-up made before it serves."""
     frozen_when_serving = []
     monkeypatch.setattr(server, "AsyncLLM", lambda model, **options: object())
-    monkeypatch.setattr(server, "build_app", lambda llm, name, api_key: object())
+    monkeypatch.setattr(server, "build_app", lambda llm, name, api_key, tool_call_parser: object())
     monkeypatch.setattr(server.uvicorn.Server, "run",
                         lambda self, sockets: frozen_when_serving.append(gc.get_freeze_count()))
     try:

@@ -97,3 +97,26 @@ def test_template_variable_it_cannot_use_raises_valueerror(templated):
     system = [{"role": "system", "content": "Be brief."}]
     with pytest.raises(ValueError, match="refused the conversation: 'int' object is not callable"):  # a TypeError
         render_chat(templated, system, chat_template_kwargs={"raise_exception": 1})
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": CITY}}]
+
+
+def test_tools_and_tool_calls_reach_the_template(smollm2_tokenizer):
+    """A template that knows tools (as Qwen's and Llama 3.1's do) gets the request's tools, and a history's calls
+    with their arguments as a mapping, and the tool messages that answer them."""
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = (
+        "{% for tool in tools or [] %}{{ 'tool ' + tool['function']['name'] + '\n' }}{% endfor %}"
+        "{% for message in messages %}{{ message['role'] + ': ' + message['content'] }}"
+        "{% for call in message.get('tool_calls', []) %}"
+        "{{ ' call ' + call['function']['name'] + ' ' + call['function']['arguments']['city'] }}{% endfor %}"
+        "{% if message.get('tool_call_id') %}{{ ' for ' + message['tool_call_id'] }}{% endif %}"
+        "{{ '\n' }}{% endfor %}"
+    )
+    conversation = [QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    text = render_chat(tokenizer, conversation, add_generation_prompt=False, tools=TOOLS)["prompt"]
+    assert text == "tool get_weather\nuser: What is 2 + 2?\nassistant:  call get_weather Paris\ntool: sunny for c1\n"

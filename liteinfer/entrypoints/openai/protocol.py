@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import math
 import time
+import uuid
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -179,18 +182,63 @@ class TextPart(OpenAIRequest):
     text: str
 
 
+class FunctionCall(OpenAIRequest):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+def tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"  # vLLM's form
+
+
+class ToolCall(OpenAIRequest):
+    """A call an assistant message made (in a request's history, or a response's message)."""
+
+    id: str = Field(default_factory=tool_call_id)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIRequest):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, earlier in the conversation
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
     def as_template_message(self) -> Message:
-        return self.model_dump()  # text parts are joined by render_chat (engine/prompts.py: template_messages)
+        """The message as chat templates read it: text parts are joined by render_chat (engine/prompts.py:
+        template_messages); a call's arguments are a mapping, which templates write out (vLLM hands them so)."""
+        message = self.model_dump(exclude_none=True)
+        for call in message.get("tool_calls", []):
+            with contextlib.suppress(json.JSONDecodeError):
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+        return message
+
+
+class FunctionDefinition(OpenAIRequest):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIRequest):
+    name: str
+
+
+class NamedToolChoice(OpenAIRequest):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
-    unsupported: ClassVar[tuple[str, ...]] = (
-        "tools", "tool_choice", "functions", "function_call", "audio",
-    )
+    unsupported: ClassVar[tuple[str, ...]] = ("functions", "function_call", "audio")
 
     messages: list[ChatMessage] = Field(min_length=1)
     # vLLM's extras for the chat template (engine/prompts.py: render_chat).
@@ -201,9 +249,58 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Functions the model may call: the chat template shows them to it; `tool_choice` says what it must do with them
+    # ("none": answer in text; "auto": text or calls, found by the server's tool parser; "required": one call or
+    # more; a named function: that one, its arguments kept to its schema). With tools and no choice, "auto".
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: "required" makes exactly one call (else one or more)
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        if self.tool_choice is None:
+            self.tool_choice = "auto" if self.tools else "none"
+        if self.tool_choice in ("auto", "none"):
+            return self
+        if not self.tools:
+            raise ValueError(f"tool_choice {self.chosen_tool or self.tool_choice!r} needs tools")
+        if self.chosen_tool is not None and self.chosen_tool not in {tool.function.name for tool in self.tools}:
+            raise ValueError(f"tool_choice names the function {self.chosen_tool!r}, which tools do not define")
+        return self
+
+    @property
+    def chosen_tool(self) -> str | None:
+        """The function a named tool_choice asks for."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
     def conversation(self) -> list[Message]:
         return [message.as_template_message() for message in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (transformers' `tools`): OpenAI's form, as vLLM passes it."""
+        return None if not self.tools else [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """A required or named tool_choice keeps the output to the calls' JSON (vLLM's way): a JSON array of
+        {"name", "parameters"} objects, one of the tools each, or the named function's arguments. Without the
+        whitespace JSON allows between its tokens (vLLM allows it): a small model can fill its whole output with
+        it, and compact arguments are what clients get from OpenAI."""
+        given = super()._structured_outputs()
+        if self.tool_choice in ("auto", "none"):
+            return given
+        if given is not None:
+            raise ValueError("tool_choice: a required or named tool_choice sets the output's format; leave out "
+                             "response_format, structured_outputs and guided_*")
+        schemas = {tool.function.name: tool.function.parameters or {"type": "object"} for tool in self.tools}
+        if self.chosen_tool is not None:
+            return StructuredOutputsParams(json=schemas[self.chosen_tool], disable_any_whitespace=True)
+        calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": schema},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for name, schema in schemas.items()]
+        one_or_more = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if self.parallel_tool_calls is False:
+            one_or_more["maxItems"] = 1
+        return StructuredOutputsParams(json=one_or_more, disable_any_whitespace=True)
 
 
 class TokenizeRequest(OpenAIRequest):
@@ -299,7 +396,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -320,9 +418,24 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # when asked for (vLLM's extra)
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed call: its first carries the id, type and name; later ones more of the arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -39,10 +39,13 @@ from liteinfer.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
+    FunctionCall,
     ModelCard,
     ModelList,
     OpenAIRequest,
@@ -51,9 +54,12 @@ from liteinfer.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
+    tool_call_id,
 )
+from liteinfer.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser
 from liteinfer.outputs import Logprob, PositionLogprobs
 from liteinfer.sampling import SamplingParams
 
@@ -85,8 +91,10 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The ASGI app; its lifespan starts and stops `llm`'s engine loop."""
+def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
+    """The ASGI app; its lifespan starts and stops `llm`'s engine loop. `tool_call_parser` (vLLM's
+    `--tool-call-parser`, with `--enable-auto-tool-choice`) finds the calls in answers to tool_choice "auto"."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -95,7 +103,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
 
     app = FastAPI(title="liteinfer", version=__version__, lifespan=lifespan)
     _add_error_handlers(app)
-    server = OpenAIServer(llm, model_name)
+    server = OpenAIServer(llm, model_name, tool_call_parser)
 
     app.get("/health")(server.health)
     app.get("/version")(server.version)
@@ -112,12 +120,13 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
 
 
 def serve(model: str | None, host: str, port: int, api_key: str | None = None,
-          served_model_name: str | None = None, **async_llm_options: Any) -> None:
+          served_model_name: str | None = None, tool_call_parser: str | None = None,
+          **async_llm_options: Any) -> None:
     """Take the address, load the model, then serve it until interrupted (what `liteinfer serve` runs)."""
     # Bound before the model loads, as vLLM does: a port in use fails in a moment, not after the load.
     with _bound_socket(host, port) as listener:
         llm = AsyncLLM(model, **async_llm_options)
-        app = build_app(llm, served_model_name or llm.engine.config.model, api_key)
+        app = build_app(llm, served_model_name or llm.engine.config.model, api_key, tool_call_parser)
         freeze_startup_objects()  # `liteinfer serve` is a process of our own
         # Open streams get a few seconds to finish on shutdown; the rest are aborted with the engine loop. The server
         # raises the Ctrl-C it has shut down on once more, which ends the command as `uvicorn.run` does, quietly.
@@ -144,10 +153,13 @@ def _bound_socket(host: str, port: int) -> socket.socket:
 class OpenAIServer:
     """The route handlers, over one `AsyncLLM` serving one model."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str):
+    def __init__(self, llm: AsyncLLM, model_name: str, tool_call_parser: str | None = None):
         self.llm = llm
         self.model_name = model_name
         self.metrics = ServerMetrics(llm)
+        if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool call parser {tool_call_parser!r}; parsers: {', '.join(TOOL_PARSERS)}")
+        self.tool_parser = None if tool_call_parser is None else TOOL_PARSERS[tool_call_parser]()
 
     async def health(self) -> Response:
         if not self.llm.is_running:
@@ -263,12 +275,17 @@ class OpenAIServer:
         self._check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        if body.tool_choice == "auto" and body.tools and self.tool_parser is None:
+            raise APIError(400, 'tool_choice "auto" needs a server started with --enable-auto-tool-choice and '
+                                '--tool-call-parser (or give tool_choice "none", "required" or a named function)',
+                           param="tool_choice")
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         with _user_errors(body):
             params = body.sampling_params(self.llm.engine.sampling_defaults, max_tokens, num_top)
             prompt = {"prompt_token_ids": await self.llm.apply_chat_template(
-                body.conversation(), body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+                body.conversation(), body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
+                body.template_tools(),
             )}
         batch = await self._submit("chatcmpl", body, [prompt], params, max_tokens_given=max_tokens is not None)
 
@@ -276,11 +293,13 @@ class OpenAIServer:
             return None if num_top is None else _chat_logprobs(token_ids, positions, num_top)
 
         if body.stream:
+            answers: dict[int, _StreamedAnswer] = {}
+
             def chunk(event: StreamEvent, index: int) -> ChatCompletionChunk:
-                delta = ChatDelta(content=event.delta) if event.delta else ChatDelta()
+                answer = answers.setdefault(index, _StreamedAnswer(body, self.tool_parser))
+                delta, finish_reason = answer.add(event.delta, event.finish_reason)
                 choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs(event.new_token_ids,
-                                         event.logprobs), finish_reason=event.finish_reason,
-                                         stop_reason=event.stop_reason)
+                                         event.logprobs), finish_reason=finish_reason, stop_reason=event.stop_reason)
                 return batch.chat_chunk(choices=[choice])
 
             # As OpenAI does, each choice opens with the assistant's role before any token is ready.
@@ -293,11 +312,11 @@ class OpenAIServer:
         samples = await self._collect(batch, request)
         if samples is None:
             return Response(status_code=_CLIENT_CLOSED_REQUEST)
-        choices = [
-            ChatChoice(index=i, message=AssistantMessage(content=s.text), logprobs=logprobs(s.token_ids, s.logprobs),
-                       finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-            for i, s in enumerate(samples)
-        ]
+        choices = []
+        for i, sample in enumerate(samples):
+            message, finish_reason = _answer(body, self.tool_parser, sample.text, sample.finish_reason)
+            choices.append(ChatChoice(index=i, message=message, logprobs=logprobs(sample.token_ids, sample.logprobs),
+                                      finish_reason=finish_reason, stop_reason=sample.stop_reason))
         response = ChatCompletionResponse(
             id=batch.id, created=batch.created, model=self.model_name, choices=choices, usage=batch.usage.total(),
             prompt_logprobs=None if body.prompt_logprobs is None else _prompt_logprobs(
@@ -338,6 +357,80 @@ class OpenAIServer:
             return samples
 
         return await _unless_disconnected(request, collect())
+
+
+def _answer(body: ChatCompletionRequest, parser: ToolParser | None, text: str,
+            finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
+    """A whole choice's message and finish reason, as the request's tool_choice reads its text (vLLM's rules): a
+    named function's arguments; "required"'s calls (finish "tool_calls"); "auto"'s calls, if the parser finds any
+    (finish "tool_calls"); otherwise the text as content."""
+    if body.chosen_tool is not None:
+        call = ToolCall(function=FunctionCall(name=body.chosen_tool, arguments=text))
+        return AssistantMessage(content="", tool_calls=[call]), finish_reason
+    calls = None
+    if body.tool_choice == "required":
+        calls = _required_calls(text)
+        content = ""
+    elif body.tool_choice == "auto" and parser is not None:
+        parsed = parser.parse(text)
+        calls = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed.tool_calls]
+        content = parsed.content
+    if not calls:  # none found, or cut short by max_tokens before "required"'s JSON ended
+        return AssistantMessage(content=text), finish_reason
+    return AssistantMessage(content=content, tool_calls=calls), ("tool_calls" if finish_reason == "stop"
+                                                                 else finish_reason)
+
+
+def _required_calls(text: str) -> list[ToolCall] | None:
+    """The calls of a "required" answer, a JSON array of {"name", "parameters"} (its format keeps it so); None for
+    one cut short."""
+    try:
+        calls = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return [ToolCall(function=FunctionCall(name=call["name"], arguments=json.dumps(call["parameters"],
+                                                                                    ensure_ascii=False)))
+            for call in calls]
+
+
+@dataclass
+class _StreamedAnswer:
+    """One streamed choice, read as the request's tool_choice says: a named function's arguments stream as they
+    come; "auto"'s text streams as far as it is surely content (the parser says), its calls come whole at the end;
+    "required"'s calls come whole at the end."""
+
+    body: ChatCompletionRequest
+    parser: ToolParser | None
+    text: str = ""
+    num_sent: int = 0  # characters of "auto"'s text sent as content
+    call_started: bool = False  # a named function's call: its id and name sent
+
+    def add(self, delta: str, finish_reason: str | None) -> tuple[ChatDelta, str | None]:
+        """The chunk's delta and finish reason for the next piece of text (`finish_reason` set: the last)."""
+        body = self.body
+        self.text += delta
+        if body.chosen_tool is not None:
+            if self.call_started:
+                return ChatDelta(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta))]
+                                 if delta else None), finish_reason
+            self.call_started = True
+            call = DeltaToolCall(index=0, id=tool_call_id(), type="function",
+                                 function=DeltaFunctionCall(name=body.chosen_tool, arguments=delta))
+            return ChatDelta(tool_calls=[call]), finish_reason
+        if body.tool_choice not in ("auto", "required") or (body.tool_choice == "auto" and self.parser is None):
+            return ChatDelta(content=delta or None), finish_reason
+        if finish_reason is None:
+            if body.tool_choice == "required":
+                return ChatDelta(), None
+            end = self.parser.content_end(self.text)
+            content, self.num_sent = self.text[self.num_sent : end], max(end, self.num_sent)
+            return ChatDelta(content=content or None), None
+        message, finish_reason = _answer(body, self.parser, self.text, finish_reason)
+        rest = (message.content or "")[self.num_sent :] if message.tool_calls else self.text[self.num_sent :]
+        calls = [DeltaToolCall(index=i, id=call.id, type="function",
+                               function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
+                 for i, call in enumerate(message.tool_calls)]
+        return ChatDelta(content=rest or None, tool_calls=calls or None), finish_reason
 
 
 @dataclass(frozen=True)
