@@ -2,12 +2,16 @@
 calls, "auto"'s calls found by the server's tool parser, streamed and whole, against a tiny random Llama. Where the
 random model's text must hold a call, the request's own format (guided_choice) makes it write one."""
 
+import http.client
 import json
+import shutil
 
 import openai
 import pytest
 from test_server import request, running_server
+from transformers import AutoTokenizer
 
+from liteinfer import LLM
 from liteinfer.engine.async_llm import AsyncLLM
 from liteinfer.entrypoints.openai.protocol import ChatCompletionRequest
 from liteinfer.entrypoints.openai.server import build_app
@@ -25,11 +29,30 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL_TEXT = 'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}</tool_call>'
 
 
+# A chat template that shows the model its tools and a history's calls, as Qwen's and Hermes' do.
+TOOLS_TEMPLATE = (
+    "{% if tools %}{{ 'tools: ' + (tools | tojson) + '\n' }}{% endif %}"
+    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] }}"
+    "{% for call in message.get('tool_calls', []) %}{{ ' <tool_call>' + (call['function'] | tojson) + '</tool_call>' }}"
+    "{% endfor %}{{ '\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
-def served(tiny_llama_dir):
+def tools_model(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama with TOOLS_TEMPLATE as its chat template."""
+    directory = tmp_path_factory.mktemp("tiny-llama-tools")
+    shutil.copytree(tiny_llama_dir, directory, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def served(tools_model):
     """(port of a server with the hermes tool parser, port of one without)."""
-    with_parser, without = AsyncLLM(str(tiny_llama_dir), dtype="float32"), AsyncLLM(str(tiny_llama_dir),
-                                                                                     dtype="float32")
+    with_parser, without = AsyncLLM(str(tools_model), dtype="float32"), AsyncLLM(str(tools_model), dtype="float32")
     with running_server(build_app(with_parser, MODEL, tool_call_parser="hermes")) as port, \
             running_server(build_app(without, MODEL)) as plain_port:
         yield port, plain_port
@@ -40,8 +63,8 @@ def client(served):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{served[0]}/v1", api_key="none", max_retries=0, timeout=60)
 
 
-def chat(client, stream=False, **fields):
-    return client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=48,
+def chat(client, stream=False, max_tokens=48, **fields):
+    return client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=max_tokens,
                                           stream=stream, **fields)
 
 
@@ -124,6 +147,20 @@ def test_required_asks_for_one_call_or_more_unless_parallel_calls_are_off():
                                                                                              ["get_time"]]
 
 
+def test_required_refuses_two_tools_that_define_one_type_two_ways():
+    def tool(name, colors):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "$defs": {"Color": {"enum": colors}}, "properties": {"c": {"$ref": "#/$defs/Color"}}}}}
+
+    body = ChatCompletionRequest.model_validate({"messages": QUESTION, "tool_choice": "required",
+                                                 "tools": [tool("a", ["red"]), tool("b", ["red"])]})
+    assert body.sampling_params({}, 16, None).structured_outputs.json["$defs"] == {"Color": {"enum": ["red"]}}
+    body = ChatCompletionRequest.model_validate({"messages": QUESTION, "tool_choice": "required",
+                                                 "tools": [tool("a", ["red"]), tool("b", ["blue"])]})
+    with pytest.raises(ValueError, match=r"two tools define \$Color differently"):
+        body.sampling_params({}, 16, None)
+
+
 def test_none_leaves_the_answer_as_text_and_a_history_of_calls_is_taken(client):
     history = QUESTION + [
         {"role": "assistant", "content": None, "tool_calls": [
@@ -136,10 +173,63 @@ def test_none_leaves_the_answer_as_text_and_a_history_of_calls_is_taken(client):
     assert response.choices[0].message.tool_calls == [] and response.choices[0].message.content
 
 
+def test_required_takes_tools_whose_schemas_define_their_own_types(client):
+    """A tool's `$defs` (what pydantic's schemas carry) move to the calls' array schema, where its `$ref`s point."""
+    color = {"type": "function", "function": {"name": "paint", "parameters": {
+        "type": "object", "$defs": {"Color": {"enum": ["red", "blue"]}}, "additionalProperties": False,
+        "properties": {"color": {"$ref": "#/$defs/Color"}}, "required": ["color"]}}}
+    choice = chat(client, tools=[color, TIME], tool_choice="required", parallel_tool_calls=False).choices[0]
+    [call] = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert arguments in ({"color": "red"}, {"color": "blue"}, {"zone": "CET"}, {"zone": "UTC"})
+
+
+def test_auto_keeps_only_the_first_call_when_parallel_calls_are_off(client):
+    two_calls = CALL_TEXT + '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "days": 1}}</tool_call>'
+    for parallel, count in ((None, 2), (False, 1)):
+        fields = {"tools": [WEATHER], "parallel_tool_calls": parallel, "max_tokens": 96,
+                  "extra_body": {"guided_choice": [two_calls]}}
+        assert len(chat(client, **fields).choices[0].message.tool_calls) == count
+        assert len(streamed(client, **fields)[1]) == count
+
+
+def test_a_stream_sends_no_empty_chunks_while_it_holds_a_call_back(served):
+    """Text held back (a call being written) makes no chunk of its own: the last one brings the call."""
+    body = {"model": MODEL, "messages": QUESTION, "tools": [WEATHER], "stream": True, "temperature": 0,
+            "max_tokens": 64, "guided_choice": [CALL_TEXT]}
+    conn = http.client.HTTPConnection("127.0.0.1", served[0], timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    events = [line[6:] for line in conn.getresponse().read().decode().splitlines() if line.startswith("data: ")]
+    chunks = [json.loads(event)["choices"][0] for event in events[:-1]]
+    assert events[-1] == "[DONE]" and chunks[0]["delta"]["role"] == "assistant"
+    for choice in chunks[1:]:
+        delta = choice["delta"]
+        assert delta.get("content") or delta.get("tool_calls") or choice["finish_reason"], choice
+
+
+def test_tokenize_renders_the_tools_as_chat_does(served, tools_model):
+    """/tokenize with messages and tools counts the prompt a chat request with those tools gets (the template writes
+    the tools into the prompt)."""
+    status, with_tools = request(served[0], "POST", "/tokenize", {"messages": QUESTION, "tools": [WEATHER]},
+                                 api_key=None)
+    status_without, without = request(served[0], "POST", "/tokenize", {"messages": QUESTION}, api_key=None)
+    assert status == status_without == 200
+    llm = LLM(str(tools_model), dtype="float32")
+    assert with_tools["tokens"] == llm.apply_chat_template(QUESTION, tools=[WEATHER])
+    assert without["tokens"] == llm.apply_chat_template(QUESTION) != with_tools["tokens"]
+    chat = openai.OpenAI(base_url=f"http://127.0.0.1:{served[0]}/v1", api_key="none").chat.completions.create(
+        model=MODEL, messages=QUESTION, tools=[WEATHER], tool_choice="none", max_tokens=1)
+    assert chat.usage.prompt_tokens == with_tools["count"]
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
      "tool_choice names the function 'get_time', which tools do not define"),
     ({"tool_choice": "required"}, "tool_choice 'required' needs tools"),
+    ({"tool_choice": "auto"}, "tool_choice 'auto' needs tools"),
+    ({"tools": [], "tool_choice": "auto"}, "tool_choice 'auto' needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
+      "tool_choice": "required"}, "tools: a tool's parameters do not compile"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "a required or named tool_choice sets the output's format"),
     ({"tools": [WEATHER], "tool_choice": "maybe"}, "tool_choice"),

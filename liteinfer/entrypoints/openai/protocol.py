@@ -228,6 +228,11 @@ class ChatTool(OpenAIRequest):
     function: FunctionDefinition
 
 
+def template_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
+    """Tools as chat templates take them (transformers' `tools`): OpenAI's form, as vLLM passes it."""
+    return None if not tools else [tool.model_dump(exclude_none=True) for tool in tools]
+
+
 class NamedFunction(OpenAIRequest):
     name: str
 
@@ -260,7 +265,7 @@ class ChatCompletionRequest(SamplingRequest):
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
         if self.tool_choice is None:
             self.tool_choice = "auto" if self.tools else "none"
-        if self.tool_choice in ("auto", "none"):
+        if self.tool_choice == "none":
             return self
         if not self.tools:
             raise ValueError(f"tool_choice {self.chosen_tool or self.tool_choice!r} needs tools")
@@ -276,10 +281,6 @@ class ChatCompletionRequest(SamplingRequest):
     def conversation(self) -> list[Message]:
         return [message.as_template_message() for message in self.messages]
 
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as chat templates take them (transformers' `tools`): OpenAI's form, as vLLM passes it."""
-        return None if not self.tools else [tool.model_dump(exclude_none=True) for tool in self.tools]
-
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """A required or named tool_choice keeps the output to the calls' JSON (vLLM's way): a JSON array of
         {"name", "parameters"} objects, one of the tools each, or the named function's arguments. Without the
@@ -294,12 +295,23 @@ class ChatCompletionRequest(SamplingRequest):
         schemas = {tool.function.name: tool.function.parameters or {"type": "object"} for tool in self.tools}
         if self.chosen_tool is not None:
             return StructuredOutputsParams(json=schemas[self.chosen_tool], disable_any_whitespace=True)
-        calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": schema},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for name, schema in schemas.items()]
+        # A schema's `$ref`s point at its root's `$defs`: in the array's schema, that is the array's root.
+        definitions: dict[str, Any] = {}
+        calls = []
+        for name, schema in schemas.items():
+            own = schema.get("$defs", {})
+            for key, definition in own.items():
+                if definitions.setdefault(key, definition) != definition:
+                    raise ValueError(f"tools: two tools define ${key} differently; a required tool_choice needs one "
+                                     "definition of each")
+            calls.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                          "properties": {"name": {"enum": [name]}, "parameters": {
+                              key: value for key, value in schema.items() if key != "$defs"}}})
         one_or_more = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if self.parallel_tool_calls is False:
             one_or_more["maxItems"] = 1
+        if definitions:
+            one_or_more["$defs"] = definitions
         return StructuredOutputsParams(json=one_or_more, disable_any_whitespace=True)
 
 
@@ -313,6 +325,7 @@ class TokenizeRequest(OpenAIRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None  # with messages: rendered as a chat request's are
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

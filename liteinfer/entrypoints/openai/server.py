@@ -57,6 +57,7 @@ from liteinfer.entrypoints.openai.protocol import (
     ToolCall,
     TopLogprob,
     Usage,
+    template_tools,
     tool_call_id,
 )
 from liteinfer.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser
@@ -181,7 +182,8 @@ class OpenAIServer:
             if body.messages is not None:
                 conversation = [message.as_template_message() for message in body.messages]
                 tokens = await self.llm.apply_chat_template(conversation, body.add_generation_prompt,
-                                                            body.continue_final_message, body.chat_template_kwargs)
+                                                            body.continue_final_message, body.chat_template_kwargs,
+                                                            template_tools(body.tools))
             else:
                 tokens = await self.llm.tokenize(body.prompt, body.add_special_tokens)
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=self.llm.max_model_len)
@@ -285,9 +287,16 @@ class OpenAIServer:
             params = body.sampling_params(self.llm.engine.sampling_defaults, max_tokens, num_top)
             prompt = {"prompt_token_ids": await self.llm.apply_chat_template(
                 body.conversation(), body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
-                body.template_tools(),
+                template_tools(body.tools),
             )}
-        batch = await self._submit("chatcmpl", body, [prompt], params, max_tokens_given=max_tokens is not None)
+        try:
+            batch = await self._submit("chatcmpl", body, [prompt], params, max_tokens_given=max_tokens is not None)
+        except APIError as error:
+            if body.tool_choice in ("auto", "none") or error.param != "structured_outputs":
+                raise
+            # The format is the tools' schemas (protocol.py): the client's field is tools.
+            raise APIError(400, f"tools: a tool's parameters do not compile into the calls' format: "
+                                f"{error.message.removeprefix('structured_outputs: ')}", param="tools") from error
 
         def logprobs(token_ids: list[int], positions: list[PositionLogprobs] | None) -> ChatLogprobs | None:
             return None if num_top is None else _chat_logprobs(token_ids, positions, num_top)
@@ -295,11 +304,14 @@ class OpenAIServer:
         if body.stream:
             answers: dict[int, _StreamedAnswer] = {}
 
-            def chunk(event: StreamEvent, index: int) -> ChatCompletionChunk:
+            def chunk(event: StreamEvent, index: int) -> ChatCompletionChunk | None:
                 answer = answers.setdefault(index, _StreamedAnswer(body, self.tool_parser))
                 delta, finish_reason = answer.add(event.delta, event.finish_reason)
-                choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs(event.new_token_ids,
-                                         event.logprobs), finish_reason=finish_reason, stop_reason=event.stop_reason)
+                choice_logprobs = logprobs(event.new_token_ids, event.logprobs)
+                if delta == ChatDelta() and finish_reason is None and choice_logprobs is None:
+                    return None  # text held back (a call being written): nothing to send yet
+                choice = ChatChunkChoice(index=index, delta=delta, logprobs=choice_logprobs,
+                                         finish_reason=finish_reason, stop_reason=event.stop_reason)
                 return batch.chat_chunk(choices=[choice])
 
             # As OpenAI does, each choice opens with the assistant's role before any token is ready.
@@ -374,6 +386,8 @@ def _answer(body: ChatCompletionRequest, parser: ToolParser | None, text: str,
     elif body.tool_choice == "auto" and parser is not None:
         parsed = parser.parse(text)
         calls = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed.tool_calls]
+        if body.parallel_tool_calls is False:  # one call at most, as vLLM keeps it
+            calls = calls[:1]
         content = parsed.content
     if not calls:  # none found, or cut short by max_tokens before "required"'s JSON ended
         return AssistantMessage(content=text), finish_reason
@@ -504,7 +518,7 @@ class _Batch:
 
     def stream(
         self,
-        chunk: Callable[[StreamEvent, int], BaseModel],
+        chunk: Callable[[StreamEvent, int], BaseModel | None],
         usage_chunk: Callable[[Usage], BaseModel],
         include_usage: bool,
         first: Sequence[BaseModel] = (),
@@ -524,8 +538,9 @@ class _Batch:
                         self.record(event)
                         # A token whose text is held back (half a character, a possible stop string) and whose
                         # logprobs nobody asked for has nothing to show.
-                        if event.delta or event.finished or event.logprobs:
-                            yield _sse(chunk(event, self.choice_index(event)))
+                        if (event.delta or event.finished or event.logprobs) and (
+                                data := chunk(event, self.choice_index(event))) is not None:
+                            yield _sse(data)
                 if include_usage:
                     yield _sse(usage_chunk(self.usage.total()))
             except Exception:  # the status line is sent already: report in the stream, keep the server up
