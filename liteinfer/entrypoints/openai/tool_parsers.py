@@ -52,7 +52,7 @@ class HermesToolParser(ToolParser):
     and 3); the last block may lack its closing tag when the answer ends in it."""
 
     name = "hermes"
-    START, END = "<tool_call>", "</tool_call>"
+    START = "<tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
     def parse(self, text: str) -> ParsedAnswer:
