@@ -181,9 +181,9 @@ def report(record: dict) -> str:
     for name, workload in record["workloads"].items():
         lines += ["", f"### {workload['description']} (workload {workload['hash']})", "",
                   "| engine | req/s | output tok/s | total tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-                  "E2E p50 / p99 ms | peak MiB |" + "".join(f" × {r} |" for r in ratio_names)
+                  "TPOT p50 / p99 ms | E2E p50 / p99 ms | peak MiB |" + "".join(f" × {r} |" for r in ratio_names)
                   + (" same outputs |" if baseline else ""),
-                  "|---" * (8 + len(ratio_names) + bool(baseline)) + "|"]
+                  "|---" * (9 + len(ratio_names) + bool(baseline)) + "|"]
         for row in (r for r in record["rows"] if r["workload"] == name):
             if row["status"] != "ok":
                 lines.append(f"| {row['engine']} | {row['status']}: {row['error']} |")
@@ -191,7 +191,8 @@ def report(record: dict) -> str:
             m = row["metrics"]
             cells = [row["engine"], f"{m['requests_per_s']:.2f}", f"{m['output_tokens_per_s']:.1f}",
                      f"{m['total_tokens_per_s']:.1f}", f"{m['ttft_p50_ms']:.0f} / {m['ttft_p99_ms']:.0f}",
-                     f"{m['itl_p50_ms']:.1f} / {m['itl_p99_ms']:.1f}", f"{m['e2e_p50_ms']:.0f} / {m['e2e_p99_ms']:.0f}",
+                     f"{m['itl_p50_ms']:.1f} / {m['itl_p99_ms']:.1f}", f"{m['tpot_p50_ms']:.1f} / "
+                     f"{m['tpot_p99_ms']:.1f}", f"{m['e2e_p50_ms']:.0f} / {m['e2e_p99_ms']:.0f}",
                      f"{m['peak_memory_mib']:.0f}"]
             if baseline:
                 cells += [_ratio_cell(row, key) for key in REPORT_RATIOS]

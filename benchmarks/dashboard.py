@@ -18,7 +18,8 @@ matplotlib.use("Agg")  # files only, never a window
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 from matplotlib.figure import Figure  # noqa: E402
 
-LATENCIES = [("ttft", "time to first token"), ("itl", "inter-token latency"), ("e2e", "end-to-end latency")]
+LATENCIES = [("ttft", "time to first token"), ("itl", "inter-token latency"), ("tpot", "time per output token"),
+             ("e2e", "end-to-end latency")]
 
 
 def _ok_rows(record: dict, workload: str) -> list[dict]:
@@ -45,9 +46,11 @@ def headline_figure(record: dict) -> Figure:
 def latency_figure(record: dict, workload: str) -> Figure:
     """p50 bars with the p99 as a tick, for TTFT, inter-token and end-to-end latency."""
     rows = _ok_rows(record, workload)
-    fig, axes = plt.subplots(1, len(LATENCIES), figsize=(len(LATENCIES) * _panel_width(record), _height(record)),
+    # (A run recorded before TPOT was measured has none to draw.)
+    latencies = [(key, title) for key, title in LATENCIES if all(f"{key}_p50_ms" in row["metrics"] for row in rows)]
+    fig, axes = plt.subplots(1, len(latencies), figsize=(len(latencies) * _panel_width(record), _height(record)),
                              layout="constrained")
-    for ax, (key, title) in zip(axes, LATENCIES):
+    for ax, (key, title) in zip(axes, latencies):
         names = [row["engine"] for row in rows]
         p50 = [row["metrics"][f"{key}_p50_ms"] for row in rows]
         p99 = [row["metrics"][f"{key}_p99_ms"] for row in rows]
@@ -92,7 +95,7 @@ def _img(png: bytes) -> str:
 
 def _table(record: dict, workload: str) -> str:
     columns = ["requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms",
-               "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "peak_memory_mib"]
+               "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "peak_memory_mib"]
     head = "".join(f"<th>{c}</th>" for c in ["engine", *columns, "how tokens are timed"])
     body = []
     for row in (r for r in record["rows"] if r["workload"] == workload):
@@ -101,7 +104,7 @@ def _table(record: dict, workload: str) -> str:
             body.append(f"<tr><td>{name}</td><td colspan={len(columns) + 1}>{row['status']}: "
                         f"{html.escape(row['error'])}</td></tr>")
             continue
-        cells = "".join(f"<td>{row['metrics'][c]:.2f}</td>" for c in columns)
+        cells = "".join(f"<td>{row['metrics'][c]:.2f}</td>" if c in row["metrics"] else "<td>–</td>" for c in columns)
         body.append(f"<tr><td>{name}</td>{cells}<td class=note>{html.escape(row['timing'])}</td></tr>")
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 

@@ -36,6 +36,10 @@ class Summary:
     ttft_p99_ms: float
     itl_p50_ms: float
     itl_p99_ms: float
+    # Time per output token after the first, a request at a time (vLLM's TPOT): where a step gives a sequence several
+    # tokens at once (speculative decoding), its ITL gaps include zeros, but this stays the request's pace.
+    tpot_p50_ms: float
+    tpot_p99_ms: float
     e2e_p50_ms: float
     e2e_p99_ms: float
 
@@ -68,6 +72,8 @@ def summarize(workload: Workload, traces: list[RequestTrace]) -> Summary:
     e2es = [t.token_times[-1] - t.submitted for t in traces]
     # A request of one token has no gaps; with nothing to pool (all such), ITL is undefined and reported as 0.
     itls = [b - a for t in traces for a, b in zip(t.token_times, t.token_times[1:])] or [0.0]
+    tpots = [(t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1) for t in traces
+             if len(t.token_times) > 1] or [0.0]
     ms = 1000.0
     return Summary(
         duration_s=duration,
@@ -78,6 +84,8 @@ def summarize(workload: Workload, traces: list[RequestTrace]) -> Summary:
         ttft_p99_ms=percentile(ttfts, 99) * ms,
         itl_p50_ms=percentile(itls, 50) * ms,
         itl_p99_ms=percentile(itls, 99) * ms,
+        tpot_p50_ms=percentile(tpots, 50) * ms,
+        tpot_p99_ms=percentile(tpots, 99) * ms,
         e2e_p50_ms=percentile(e2es, 50) * ms,
         e2e_p99_ms=percentile(e2es, 99) * ms,
     )

@@ -17,7 +17,8 @@ from benchmarks.workloads import WorkloadParams, make_workload
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 ROW_METRICS = {"duration_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "ttft_p50_ms",
-               "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "peak_memory_mib"}
+               "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
+               "peak_memory_mib"}
 
 
 def test_compare_smoke_run(tiny_llama_dir, tmp_path):

@@ -49,6 +49,19 @@ def test_summary_of_hand_made_traces():
     assert s.itl_p50_ms == pytest.approx(150.0)  # gaps 100, 200, 100, 900 ms
     assert s.itl_p99_ms == pytest.approx(percentile([100, 200, 100, 900], 99))
     assert s.e2e_p50_ms == pytest.approx(1400.0)
+    # Time per output token after the first, a request at a time: (10.8 - 10.5) / 2 and (12.0 - 11.0) / 2.
+    assert s.tpot_p50_ms == pytest.approx(325.0)
+    assert s.tpot_p99_ms == pytest.approx(percentile([150, 500], 99))
+
+
+def test_tokens_a_step_gives_together_count_in_tpot_not_as_zero_gaps():
+    """Speculative decoding stamps several tokens at once: ITL's median is then 0, TPOT stays the request's pace."""
+    workload = Workload("w", [BenchRequest([1], 4)], one_at_a_time=False)
+    trace = RequestTrace(submitted=0.0, token_times=[1.0, 1.2, 1.2, 1.2], token_ids=[5, 6, 7, 8])
+    s = summarize(workload, [trace])
+    assert s.itl_p50_ms == 0.0 and s.tpot_p50_ms == pytest.approx(200 / 3)
+    one_token = summarize(Workload("w", [BenchRequest([1], 1)], one_at_a_time=False), [RequestTrace(0.0, [1.0], [5])])
+    assert one_token.tpot_p50_ms == 0.0  # no token after the first: undefined, reported as 0 (as ITL)
 
 
 def test_wrong_output_lengths_fail_loudly():
@@ -121,8 +134,8 @@ def test_peak_memory_sees_an_allocation():
 
 def _row(engine, workload, tok_s, tokens):
     metrics = {"requests_per_s": 1.0, "output_tokens_per_s": tok_s, "total_tokens_per_s": 2 * tok_s,
-               "ttft_p50_ms": 10.0, "ttft_p99_ms": 20.0, "itl_p50_ms": 5.0, "itl_p99_ms": 6.0, "e2e_p50_ms": 50.0,
-               "e2e_p99_ms": 60.0, "duration_s": 1.0, "peak_memory_mib": 100.0}
+               "ttft_p50_ms": 10.0, "ttft_p99_ms": 20.0, "itl_p50_ms": 5.0, "itl_p99_ms": 6.0, "tpot_p50_ms": 7.0,
+               "tpot_p99_ms": 8.0, "e2e_p50_ms": 50.0, "e2e_p99_ms": 60.0, "duration_s": 1.0, "peak_memory_mib": 100.0}
     return {"engine": engine, "workload": workload, "status": "ok", "metrics": metrics,
             "requests": [{"token_ids": t} for t in tokens]}
 
@@ -137,7 +150,7 @@ def test_compare_report_has_ratios_and_output_agreement():
               "machine": {"cpu": "cpu", "cores": 2},
               "workloads": {"throughput": {"description": "throughput: 2 requests", "hash": "h"}}, "rows": rows}
     text = compare.report(record)
-    assert "| fast | 1.00 | 250.0 | 500.0 | 10 / 20 | 5.0 / 6.0 | 50 / 60 | 100 | 2.50 |" in text
+    assert "| fast | 1.00 | 250.0 | 500.0 | 10 / 20 | 5.0 / 6.0 | 7.0 / 8.0 | 50 / 60 | 100 | 2.50 |" in text
     assert text.count("| 1/2 |") == 1 and "| gone | skipped: gone is not installed |" in text
 
     # Sampled outputs are draws: the report counts no agreement for them.
@@ -145,7 +158,7 @@ def test_compare_report_has_ratios_and_output_agreement():
     compare.add_ratios(sampled, "base", greedy=False)
     assert "same_outputs_as_baseline" not in sampled[1] and sampled[1]["vs_baseline"]["output_tokens_per_s"] == 2.5
     text = compare.report(record | {"rows": sampled})
-    assert "| fast | 1.00 | 250.0 | 500.0 | 10 / 20 | 5.0 / 6.0 | 50 / 60 | 100 | 2.50 |" in text
+    assert "| fast | 1.00 | 250.0 | 500.0 | 10 / 20 | 5.0 / 6.0 | 7.0 / 8.0 | 50 / 60 | 100 | 2.50 |" in text
     assert text.splitlines()[-1].endswith("| – |")
 
 
@@ -206,7 +219,7 @@ def test_rounds_give_medians_and_ratios_taken_within_each_round():
               "workloads": {"latency": {"description": "latency: 1 request", "hash": "h"}}, "rows": rows}
     text = compare.report(record)
     assert "medians of 3 rounds" in text
-    assert "| fast | 1.00 | 84.0 | 168.0 | 10 / 20 | 5.0 / 6.0 | 50 / 60 | 100 | 1.10 (1.05–1.20) |" in text
+    assert "| fast | 1.00 | 84.0 | 168.0 | 10 / 20 | 5.0 / 6.0 | 7.0 / 8.0 | 50 / 60 | 100 | 1.10 (1.05–1.20) |" in text
 
 
 def test_an_engine_spec_sets_a_dict_options_fields_by_dotted_keys():
@@ -214,3 +227,19 @@ def test_an_engine_spec_sets_a_dict_options_fields_by_dotted_keys():
                             "speculative_config.prompt_lookup_max=3:max_num_seqs=8")
     assert spec.options == {"speculative_config": {"num_speculative_tokens": 4, "prompt_lookup_max": 3},
                             "max_num_seqs": 8}
+
+
+def test_a_run_recorded_before_tpot_redraws(tmp_path):
+    """`python -m benchmarks.dashboard old.json`: a record without TPOT draws the latencies it has."""
+    from benchmarks.dashboard import write_dashboard
+
+    rows = [_row("base", "throughput", 100.0, [[1, 2]]), _row("fast", "throughput", 250.0, [[1, 2]])]
+    for row in rows:
+        row["timing"] = "when the step returns"
+        del row["metrics"]["tpot_p50_ms"], row["metrics"]["tpot_p99_ms"]
+    record = {"date": "today", "revision": "abc", "dirty": False, "threads": 2, "model": "m", "command": "compare",
+              "machine": {"cpu": "cpu", "cores": 2, "memory_gib": 24, "gpu": None},
+              "workloads": {"throughput": {"description": "throughput: 2 requests", "hash": "h"}}, "rows": rows}
+    write_dashboard(record, tmp_path / "run.html", tmp_path / "run.png")
+    page = (tmp_path / "run.html").read_text()
+    assert "<td>–</td>" in page and (tmp_path / "run.png").stat().st_size > 0
