@@ -10,6 +10,8 @@ prompt's blocks; any sequence that needs blocks the free list lacks takes theirs
 With chunked prefill, a prompt larger than the step's remaining token budget is computed over several steps, in
 chunks that share each step with the decodes of running sequences; while others wait, a running prefill takes at
 most `long_prefill_token_threshold` tokens per step, so a long prompt cannot hold back everyone's first token.
+With speculative decoding, a decode's draft tokens come last: from what budget and free blocks are left once
+everyone's own tokens are scheduled (`_add_drafts`).
 Static batching, the simple reference: a batch is admitted only when the previous one has fully finished, with
 blocks for its whole lifetime reserved up front, so it never preempts.
 """
