@@ -363,15 +363,18 @@ class LLMEngine:
         result = self.runner.execute(batch)
         kept_rows = self._kept_rows(batch, result)
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            # Of its drafts, the K/V of those kept hold the tokens they are; the others' slots are written over later.
-            kept_drafts = seq.spec_token_ids[: len(kept_rows.get(i, ())) - 1]
-            num_new -= len(seq.spec_token_ids) - len(kept_drafts)
-            self.num_draft_tokens += len(seq.spec_token_ids)
-            self.num_accepted_tokens += len(kept_drafts)
+            token_ids = seq.token_ids
+            if seq.spec_token_ids:
+                # Of its drafts, the K/V of those kept hold the tokens they are; the others' slots are written over
+                # later.
+                kept_drafts = seq.spec_token_ids[: len(kept_rows[i]) - 1]
+                num_new -= len(seq.spec_token_ids) - len(kept_drafts)
+                self.num_draft_tokens += len(seq.spec_token_ids)
+                self.num_accepted_tokens += len(kept_drafts)
+                token_ids = seq.token_ids + kept_drafts
+                seq.spec_token_ids = []
             start, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            self.block_manager.cache_blocks(seq.block_table, seq.token_ids + kept_drafts if kept_drafts else
-                                            seq.token_ids, seq.block_hashes, start, start + num_new)
-            seq.spec_token_ids = []
+            self.block_manager.cache_blocks(seq.block_table, token_ids, seq.block_hashes, start, start + num_new)
         for i, positions in result.prompt_logprobs.items():
             batch.seqs[i].prompt_logprobs += map(self._with_text, positions)
 
